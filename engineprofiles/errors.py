@@ -1,0 +1,27 @@
+"""Typed errors. Each message says what was wrong, where, and what to do."""
+
+
+class EngineProfilesError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class UnsupportedDtype(EngineProfilesError, ValueError):
+    pass
+
+
+class ProfileError(EngineProfilesError, ValueError):
+    """A profile file or object is malformed. The message names the file and the field."""
+
+    def __init__(self, message: str, *, source: str | None = None, field: str | None = None):
+        self.source = source
+        self.field = field
+        where = ": ".join(p for p in (source, field) if p)
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+class ProfileNotFound(EngineProfilesError, LookupError):
+    pass
+
+
+class PointError(EngineProfilesError, ValueError):
+    """A lattice point names an unknown site or an option a site does not have."""

@@ -1,0 +1,83 @@
+"""Math that computes the same bits on every backend.
+
+A region's reference runs in one of two math modes:
+
+* ``torch``: transcendentals (exp, sigmoid, silu, rsqrt) and reductions are torch's own ops on
+  the tensor's device. This is what HF transformers and engines running torch code compute on
+  that device, so the probe and the CPU fallback use it.
+* ``portable``: every value is a fixed sequence of correctly rounded IEEE FP32 additions,
+  multiplications, divisions and square roots, with no multiply-add contraction, plus exact
+  bit manipulation. The emulator's Triton kernels implement the same sequence, so kernel and
+  reference agree bit for bit in the Triton interpreter and on a GPU. What separates the two modes
+  is the residual of transcendentals and summation order, which is measured, not hidden.
+
+The functions here are written so that each line has a counterpart in the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOG2E = 1.4426950408889634
+LN2_HI = 0.693359375  # 355/512: n * LN2_HI is exact for |n| < 2**15
+LN2_LO = -2.12194440e-4
+# Taylor coefficients 1/k! for k = 7..2 (Horner order); enough for ~1 ulp on |r| <= ln2/2.
+EXP_COEFFS = (1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5)
+EXP_MAX = 88.72283935546875  # above: +inf
+EXP_MIN = -103.97208404541016  # below: 0
+
+# Width of the lane vector a sum of squares is accumulated in: lane j sums elements j, j+W, ...
+# in order, then the W lanes are added pairwise (lanes 2i and 2i+1) until one is left.
+REDUCE_LANES = 256
+
+
+def _f32(v: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32, device=like.device)
+
+
+def pow2(k: torch.Tensor) -> torch.Tensor:
+    """2**k as FP32 for integer k in [-126, 127], built from its bit pattern."""
+    return ((k.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) in FP32: Cody-Waite reduction, degree-7 polynomial, exact scaling by 2**n."""
+    nan = torch.isnan(x)
+    xs = torch.where(nan, torch.zeros_like(x), x).clamp(EXP_MIN, EXP_MAX)
+    n = torch.floor(xs * _f32(LOG2E, x) + _f32(0.5, x))
+    r = (xs - n * _f32(LN2_HI, x)) - n * _f32(LN2_LO, x)
+    p = torch.full_like(x, EXP_COEFFS[0])
+    for c in EXP_COEFFS[1:]:
+        p = p * r + _f32(c, x)
+    p = p * r + _f32(1.0, x)
+    p = p * r + _f32(1.0, x)
+    n1 = torch.floor(n * _f32(0.5, x))
+    n2 = n - n1
+    out = (p * pow2(n1)) * pow2(n2)
+    out = torch.where(x > EXP_MAX, torch.full_like(x, float("inf")), out)
+    out = torch.where(x < EXP_MIN, torch.zeros_like(x), out)
+    return torch.where(nan, x, out)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return _f32(1.0, x) / (_f32(1.0, x) + exp(-x))
+
+
+def rsqrt(v: torch.Tensor) -> torch.Tensor:
+    return _f32(1.0, v) / torch.sqrt(v)
+
+
+def mean_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """mean(x*x) over the last dim, summed in the fixed order described at REDUCE_LANES."""
+    n = x.shape[-1]
+    pad = (-n) % REDUCE_LANES
+    sq = x * x
+    if pad:
+        sq = torch.nn.functional.pad(sq, (0, pad))
+    chunks = sq.reshape(*sq.shape[:-1], -1, REDUCE_LANES)
+    acc = chunks[..., 0, :]
+    for k in range(1, chunks.shape[-2]):
+        acc = acc + chunks[..., k, :]
+    while acc.shape[-1] > 1:
+        acc = acc[..., 0::2] + acc[..., 1::2]
+    return acc / _f32(float(n), x)

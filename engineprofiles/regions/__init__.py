@@ -1,0 +1,30 @@
+"""The regions of the rounding model, their sites, lattices and torch references."""
+
+from .base import FP32, PRECISIONS, ROUNDED, Choice, Point, RegionSpec
+from .rmsnorm import ADD_SPEC, PLAIN_SPEC, add_rmsnorm_ref, rmsnorm_ref
+from .rope import SPEC as ROPE_SPEC
+from .rope import STYLES, rope_cos_sin, rope_ref
+from .swiglu import SPEC as SWIGLU_SPEC
+from .swiglu import swiglu_ref
+
+# Profile order: the three regions of the model (RoPE, SwiGLU, residual RMSNorm), the residual
+# RMSNorm in both call forms.
+REGIONS: dict[str, RegionSpec] = {
+    s.name: s for s in (ROPE_SPEC, SWIGLU_SPEC, ADD_SPEC, PLAIN_SPEC)
+}
+
+
+def region(name: str) -> RegionSpec:
+    try:
+        return REGIONS[name]
+    except KeyError:
+        from ..errors import PointError
+
+        raise PointError(f"unknown region {name!r}; regions are {', '.join(REGIONS)}") from None
+
+
+__all__ = [
+    "FP32", "ROUNDED", "PRECISIONS", "Choice", "Point", "RegionSpec", "REGIONS", "region", "STYLES",
+    "ROPE_SPEC", "SWIGLU_SPEC", "ADD_SPEC", "PLAIN_SPEC",
+    "rope_ref", "rope_cos_sin", "swiglu_ref", "rmsnorm_ref", "add_rmsnorm_ref",
+]

@@ -1,0 +1,87 @@
+"""Readable renderings of profiles for the terminal (rich)."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from .regions import REGIONS
+from .schema import Profile
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.4g}%"
+
+
+def profile_header(p: Profile, name: str | None = None) -> Text:
+    e, pv = p.engine, p.provenance
+    t = Text()
+    t.append(f"{name or p.canonical_name}\n", style="bold")
+    t.append(f"engine   {e.name} {e.version}  backend={e.backend}  device={e.device}\n")
+    t.append(f"mode     {e.execution_mode}  dtype={p.dtype}  torch={e.torch_version}\n")
+    if e.settings:
+        t.append("settings " + ", ".join(f"{k}={v}" for k, v in e.settings.items()) + "\n")
+    t.append(f"probed   {pv.date}  method={pv.method}  probe v{pv.probe_version} (package {pv.package_version})\n")
+    t.append(f"command  {pv.command}")
+    return t
+
+
+def sites_table(p: Profile) -> Table:
+    t = Table(title="rounding sites", show_lines=False)
+    for col in ("region", "site", "choice", "meaning"):
+        t.add_column(col)
+    for name, spec in REGIONS.items():
+        entry = p.entry(name)
+        if entry.sites is None:
+            t.add_row(name, "-", "[red]unavailable[/red]", entry.evidence.reason or "")
+            continue
+        first = True
+        for c in spec.sites:
+            v = getattr(entry.sites, c.name)
+            style = "cyan" if v == "fp32" else "yellow"
+            t.add_row(name if first else "", c.name, f"[{style}]{v}[/{style}]", c.doc)
+            first = False
+        for c in spec.variants:
+            t.add_row("", f"{c.name} (variant)", getattr(entry.variants, c.name), c.doc)
+        t.add_section()
+    return t
+
+
+def evidence_table(p: Profile) -> Table:
+    t = Table(title="evidence")
+    for col in ("region", "path", "match", "runner-up", "max ulp", "shapes", "flags"):
+        t.add_column(col)
+    for name in REGIONS:
+        ev = p.entry(name).evidence
+        flags = [f for f in ("ambiguous", "shape_dependent", "nondeterministic") if getattr(ev, f)]
+        if ev.status == "unavailable":
+            flags.append("unavailable")
+        ru = "-" if ev.runner_up is None else f"{ev.runner_up} ({_pct(ev.runner_up_match_rate)})"
+        t.add_row(
+            name,
+            ev.path or "-",
+            _pct(ev.match_rate),
+            ru,
+            "-" if ev.max_ulp is None else str(ev.max_ulp),
+            str(len(ev.shapes)),
+            ", ".join(flags) or "-",
+        )
+    return t
+
+
+def notes(p: Profile) -> Text:
+    t = Text()
+    for name in REGIONS:
+        ev = p.entry(name).evidence
+        for n in ev.notes:
+            t.append(f"{name}: {n}\n")
+        if ev.indistinguishable:
+            t.append(f"{name}: not told apart on the probe inputs: {'; '.join(ev.indistinguishable)}\n")
+        if ev.tied_with:
+            t.append(f"{name}: tied with {'; '.join(ev.tied_with)}\n", style="red")
+    return t
+
+
+def show(p: Profile, console: Console, name: str | None = None) -> None:
+    console.print(Group(profile_header(p, name), sites_table(p), evidence_table(p), notes(p)))

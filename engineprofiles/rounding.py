@@ -1,0 +1,101 @@
+"""Round-to-nearest-even to an activation dtype, done with integer arithmetic.
+
+Every rounding site of every region goes through :func:`round_to`. It takes an FP32 tensor and
+returns an FP32 tensor whose values are exactly representable in the activation dtype (BF16 or
+FP16), rounded to nearest, ties to even, with NaN kept NaN, +-Inf kept, overflow to +-Inf and
+subnormals of the target format handled. The arithmetic is on the FP32 bit pattern, so the result
+does not depend on how a device (or the Triton interpreter) implements its float casts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import UnsupportedDtype
+
+ACT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in ACT_DTYPES.items()}
+
+# (mantissa bits, minimum normal exponent, largest finite value) of each activation dtype.
+_FORMAT = {
+    torch.bfloat16: (7, -126, 3.3895313892515355e38),
+    torch.float16: (10, -14, 65504.0),
+}
+
+
+def act_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """The torch dtype for an activation dtype given as a torch dtype or its name."""
+    if isinstance(dtype, str):
+        if dtype not in ACT_DTYPES:
+            raise UnsupportedDtype(f"activation dtype {dtype!r} is not supported; use one of {sorted(ACT_DTYPES)}")
+        return ACT_DTYPES[dtype]
+    if dtype not in _FORMAT:
+        raise UnsupportedDtype(f"activation dtype {dtype} is not supported; use torch.bfloat16 or torch.float16")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES[act_dtype(dtype)]
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:
+    """Round FP32 values to the nearest value of ``dtype`` (ties to even); the result stays FP32."""
+    dtype = act_dtype(dtype)
+    if x.dtype != torch.float32:
+        raise TypeError(f"round_to expects a float32 tensor, got {x.dtype}")
+    mant, emin, fmax = _FORMAT[dtype]
+    bits = x.contiguous().view(torch.int32)
+    sign = bits & torch.tensor(-0x80000000, dtype=torch.int32, device=x.device)
+    mag = bits & 0x7FFFFFFF
+    exp = (mag >> 23) - 127  # unbiased exponent; -127 for FP32 zeros and subnormals
+    exp = torch.clamp(exp, min=-126)  # FP32 subnormals share the exponent of the smallest normal
+    # Number of low bits of the FP32 pattern dropped: 23 - mant in the normal range of the
+    # target, more below it (target subnormals have a fixed quantum 2**(emin - mant)).
+    shift = (23 - mant) + torch.clamp(emin - exp, min=0)
+    # Beyond 23 dropped bits the implicit bit itself is gone: handled separately below.
+    s = torch.clamp(shift, max=23)
+    one = torch.ones_like(mag)
+    lsb = (mag >> s) & 1
+    half_minus_one = (one << (s - 1)) - 1
+    rounded = (mag + half_minus_one + lsb) & ~((one << s) - 1)
+    # |x| < quantum: the result is 0 or the smallest subnormal of the target.
+    quantum_exp = emin - mant
+    tiny = exp < quantum_exp
+    min_sub = torch.tensor(float(2.0**quantum_exp), dtype=torch.float32, device=x.device).view(torch.int32)
+    half_quantum = float(2.0 ** (quantum_exp - 1))
+    absx = mag.view(torch.float32)
+    tiny_val = torch.where(absx > half_quantum, min_sub.expand_as(mag), torch.zeros_like(mag))
+    rounded = torch.where(tiny, tiny_val, rounded)
+    out = (rounded | sign).view(torch.float32)
+    inf = torch.tensor(float("inf"), device=x.device)
+    out = torch.where(out.abs() > fmax, torch.copysign(inf, out), out)
+    out = torch.where(torch.isnan(x), x, out)  # NaN stays NaN (Inf is handled by the line above)
+    return out
+
+
+def to_act(x: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:
+    """Round FP32 values to ``dtype`` and return a tensor of that dtype (exact conversion)."""
+    dtype = act_dtype(dtype)
+    return round_to(x.float(), dtype).to(dtype)
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in units in the last place between two tensors of the same activation dtype.
+
+    Computed on the ordered integer encoding of the values, so it is exact across binades and
+    signs. NaN against NaN is 0, NaN against a number is reported as a very large distance.
+    """
+    if a.dtype != b.dtype:
+        raise TypeError(f"ulp_distance needs equal dtypes, got {a.dtype} and {b.dtype}")
+    width = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[a.dtype]
+    ia = a.contiguous().view(width).to(torch.int64)
+    ib = b.contiguous().view(width).to(torch.int64)
+    top = 1 << (16 if width == torch.int16 else 32) - 1
+    # Map sign-magnitude to a monotone integer line.
+    oa = torch.where(ia < 0, -(ia + top), ia)
+    ob = torch.where(ib < 0, -(ib + top), ib)
+    d = (oa - ob).abs()
+    na, nb = torch.isnan(a), torch.isnan(b)
+    d = torch.where(na & nb, torch.zeros_like(d), d)
+    d = torch.where(na ^ nb, torch.full_like(d, 1 << 40), d)
+    return d

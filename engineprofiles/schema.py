@@ -1,0 +1,299 @@
+"""The profile: where one engine rounds, in each region, with the evidence and how it was made.
+
+A profile is data (YAML); nothing in the model code branches on engine names. Loading is strict:
+an unknown key, a wrong type, an unknown site or option, a missing region or an unsupported schema
+version raises :class:`ProfileError` naming the file, the field and what is allowed. Dumping is
+canonical: ``dump(load(text)) == text`` for every profile this package writes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from .errors import ProfileError
+from .regions import REGIONS, Point, RegionSpec
+
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSIONS = (1,)
+
+Precision = Literal["fp32", "rounded"]
+SettingValue = Optional[str | int | float | bool | list[str]]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class EngineInfo(StrictModel):
+    name: str = Field(description="engine name: vllm, sglang, transformers, ...")
+    version: str
+    backend: Literal["cpu", "cuda", "rocm", "xpu"]
+    device: str = Field(description="the device the probe ran on, as the OS or driver names it")
+    torch_version: str
+    execution_mode: str = Field(description="how the engine ran the regions: eager, inductor, custom-op, ...")
+    settings: dict[str, SettingValue] = Field(default_factory=dict, description="engine settings that affect numerics")
+
+
+class ShapeResult(StrictModel):
+    shape: str
+    winner: str
+    match_rate: float
+
+
+class Evidence(StrictModel):
+    status: Literal["measured", "unavailable"] = "measured"
+    reason: Optional[str] = None
+    path: Optional[str] = Field(None, description="the engine code path that was probed")
+    match_rate: Optional[float] = Field(None, description="fraction of output elements the winner matches bitwise")
+    runner_up: Optional[str] = None
+    runner_up_match_rate: Optional[float] = None
+    max_ulp: Optional[int] = Field(None, description="largest ULP distance of the winner's mismatches")
+    elements: Optional[int] = None
+    shapes: list[str] = Field(default_factory=list)
+    ambiguous: bool = False
+    tied_with: list[str] = Field(default_factory=list)
+    indistinguishable: list[str] = Field(
+        default_factory=list, description="variants never told apart from the winner on the probe inputs"
+    )
+    shape_dependent: bool = False
+    nondeterministic: bool = False
+    per_shape: list[ShapeResult] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _reason_when_unavailable(self) -> "Evidence":
+        if self.status == "unavailable" and not self.reason:
+            raise ValueError("an unavailable region needs a reason")
+        return self
+
+
+def _entry_model(spec: RegionSpec) -> type[StrictModel]:
+    sites = create_model(
+        f"{spec.name}_sites",
+        __base__=StrictModel,
+        **{c.name: (Literal[c.options], Field(description=c.doc)) for c in spec.sites},  # type: ignore[valid-type]
+    )
+    variants = create_model(
+        f"{spec.name}_variants",
+        __base__=StrictModel,
+        **{c.name: (Literal[c.options], Field(c.options[0], description=c.doc)) for c in spec.variants},  # type: ignore[valid-type]
+    )
+
+    def _check(self: Any) -> Any:
+        if self.evidence.status == "measured" and self.sites is None:
+            raise ValueError("a measured region needs its sites")
+        return self
+
+    model = create_model(
+        f"{spec.name}_entry",
+        __base__=StrictModel,
+        __validators__={"_check": model_validator(mode="after")(_check)},
+        sites=(Optional[sites], ...),
+        variants=(variants, Field(default_factory=variants)),
+        evidence=(Evidence, Field(default_factory=Evidence)),
+    )
+    return model
+
+
+ENTRY_MODELS = {name: _entry_model(spec) for name, spec in REGIONS.items()}
+Regions = create_model(
+    "Regions", __base__=StrictModel, **{name: (model, ...) for name, model in ENTRY_MODELS.items()}  # type: ignore[arg-type]
+)
+
+
+class Provenance(StrictModel):
+    date: str = Field(description="ISO 8601 time of the probe run (UTC)")
+    probe_version: str
+    package_version: str
+    method: Literal["op-level", "in-situ", "synthetic"]
+    command: str
+    host: Optional[str] = None
+    seed: Optional[int] = None
+    duration_s: Optional[float] = None
+
+
+class Profile(StrictModel):
+    schema_version: int
+    engine: EngineInfo
+    dtype: Literal["bfloat16", "float16"]
+    regions: Regions  # type: ignore[valid-type]
+    provenance: Provenance
+
+    # -- access ---------------------------------------------------------------------------
+    def entry(self, region: str) -> Any:
+        return getattr(self.regions, region)
+
+    def available(self, region: str) -> bool:
+        return self.entry(region).evidence.status == "measured"
+
+    def point(self, region: str) -> Point:
+        """The lattice point this profile assigns to ``region``."""
+        e = self.entry(region)
+        if e.sites is None:
+            raise ProfileError(
+                f"region {region} is unavailable in this profile ({e.evidence.reason})", field=f"regions.{region}"
+            )
+        return REGIONS[region].point(e.sites.model_dump(), e.variants.model_dump())
+
+    @property
+    def canonical_name(self) -> str:
+        e = self.engine
+        return f"{e.name}-{e.version}-{e.backend}-{e.execution_mode}-{self.dtype}"
+
+    # -- YAML -----------------------------------------------------------------------------
+    def to_yaml(self) -> str:
+        data = self.model_dump(mode="json", exclude_defaults=True)
+        data["schema_version"] = self.schema_version
+        # Keep every region's sites visible even when they equal a default.
+        for name in REGIONS:
+            data["regions"].setdefault(name, {})
+            entry = self.entry(name)
+            data["regions"][name] = {
+                "sites": None if entry.sites is None else entry.sites.model_dump(),
+                "variants": entry.variants.model_dump(),
+                "evidence": entry.evidence.model_dump(mode="json", exclude_defaults=True),
+            }
+        ordered = {k: data[k] for k in ("schema_version", "engine", "dtype", "regions", "provenance")}
+        return yaml.safe_dump(ordered, sort_keys=False, default_flow_style=False, width=100, allow_unicode=True)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the YAML atomically: a failure leaves no half-written file."""
+        return write_atomic(Path(path), self.to_yaml())
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+# -- parsing with messages that name the file and the field ------------------------------------
+
+
+def _allowed_here(loc: tuple[Any, ...]) -> str:
+    """What is allowed at ``loc``, for messages about unknown keys."""
+    if len(loc) >= 4 and loc[0] == "regions" and loc[2] in ("sites", "variants") and loc[1] in REGIONS:
+        spec = REGIONS[loc[1]]
+        names = spec.site_names if loc[2] == "sites" else spec.variant_names
+        kind = "site" if loc[2] == "sites" else "variant"
+        return f"unknown {kind} {loc[3]!r} of region {loc[1]}; its {kind}s are: {', '.join(names) or '(none)'}"
+    if len(loc) == 2 and loc[0] == "regions":
+        return f"unknown region {loc[1]!r}; regions are: {', '.join(REGIONS)}"
+    model: Any = Profile
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if hasattr(model, "model_fields") else None
+        if field is None:
+            return f"unknown key {loc[-1]!r}"
+        ann = field.annotation
+        model = next((a for a in getattr(ann, "__args__", (ann,)) if hasattr(a, "model_fields")), ann)
+    allowed = ", ".join(getattr(model, "model_fields", {}).keys())
+    return f"unknown key {loc[-1]!r}; allowed keys here: {allowed}"
+
+
+def _format_error(err: dict[str, Any]) -> tuple[str, str]:
+    loc = tuple(p for p in err["loc"] if not isinstance(p, str) or not p.startswith("function-after"))
+    field = ".".join(str(p) for p in loc) or "(top level)"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return field, _allowed_here(loc)
+    if kind == "missing":
+        if len(loc) == 2 and loc[0] == "regions":
+            return field, (
+                f"missing region {loc[1]!r}: a profile lists every region ({', '.join(REGIONS)}); "
+                "one an engine cannot run is recorded with evidence.status: unavailable and a reason"
+            )
+        if len(loc) == 4 and loc[2] == "sites":
+            return field, f"missing site {loc[3]!r} of region {loc[1]}"
+        return field, "required field is missing"
+    got = err.get("input")
+    shown = repr(got) if not isinstance(got, dict) else "a mapping"
+    return field, f"{err['msg']} (got {shown})"
+
+
+def profile_from_data(data: Any, source: str = "<profile>") -> Profile:
+    if not isinstance(data, dict):
+        raise ProfileError(f"a profile is a YAML mapping, got {type(data).__name__}", source=source)
+    version = data.get("schema_version")
+    if version is None:
+        raise ProfileError("missing schema_version", source=source, field="schema_version")
+    if version not in SUPPORTED_SCHEMA_VERSIONS or isinstance(version, bool):
+        raise ProfileError(
+            f"schema version {version!r} is not supported by this engineprofiles (supports "
+            f"{', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}); upgrade engineprofiles or re-probe",
+            source=source,
+            field="schema_version",
+        )
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as e:
+        errors = [_format_error(err) for err in e.errors()]
+        field, msg = errors[0]
+        more = f" (and {len(errors) - 1} more: {'; '.join(f for f, _ in errors[1:4])})" if len(errors) > 1 else ""
+        raise ProfileError(msg + more, source=source, field=field) from None
+
+
+def profile_from_yaml(text: str, source: str = "<string>") -> Profile:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else None
+        problem = getattr(e, "problem", None) or str(e)
+        raise ProfileError(f"YAML syntax error: {problem}", source=source, field=where) from None
+    return profile_from_data(data, source)
+
+
+def load_profile(path: str | os.PathLike[str]) -> Profile:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ProfileError(f"cannot read profile: {e.strerror}", source=str(p)) from None
+    return profile_from_yaml(text, str(p))
+
+
+def make_profile(
+    *,
+    engine: EngineInfo | dict[str, Any],
+    dtype: str,
+    points: dict[str, Point | None],
+    evidence: dict[str, Evidence | dict[str, Any]] | None = None,
+    provenance: Provenance | dict[str, Any],
+) -> Profile:
+    """Build a profile from lattice points (``None`` for an unavailable region) and evidence."""
+    evidence = evidence or {}
+    regions: dict[str, Any] = {}
+    for name, spec in REGIONS.items():
+        if name not in points:
+            raise ProfileError(f"no point given for region {name}", field=f"regions.{name}")
+        p = points[name]
+        ev = evidence.get(name, {})
+        ev = ev.model_dump() if isinstance(ev, Evidence) else dict(ev)
+        if p is None:
+            regions[name] = {"sites": None, "evidence": ev}
+        else:
+            regions[name] = {"sites": spec.site_part(p), "variants": spec.variant_part(p), "evidence": ev}
+    data = {
+        "schema_version": SCHEMA_VERSION,
+        "engine": engine.model_dump() if isinstance(engine, EngineInfo) else engine,
+        "dtype": dtype,
+        "regions": regions,
+        "provenance": provenance.model_dump() if isinstance(provenance, Provenance) else provenance,
+    }
+    return profile_from_data(data, "<make_profile>")
