@@ -286,6 +286,7 @@ def make_profile(
         ev = evidence.get(name, {})
         ev = ev.model_dump() if isinstance(ev, Evidence) else dict(ev)
         if p is None:
+            ev.setdefault("status", "unavailable")
             regions[name] = {"sites": None, "evidence": ev}
         else:
             regions[name] = {"sites": spec.site_part(p), "variants": spec.variant_part(p), "evidence": ev}
