@@ -16,11 +16,7 @@ from .errors import UnsupportedDtype
 ACT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in ACT_DTYPES.items()}
 
-# (mantissa bits, minimum normal exponent, largest finite value) of each activation dtype.
-_FORMAT = {
-    torch.bfloat16: (7, -126, 3.3895313892515355e38),
-    torch.float16: (10, -14, 65504.0),
-}
+_FORMAT = {torch.bfloat16, torch.float16}
 
 
 def act_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -43,8 +39,27 @@ def round_to(x: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:
     dtype = act_dtype(dtype)
     if x.dtype != torch.float32:
         raise TypeError(f"round_to expects a float32 tensor, got {x.dtype}")
-    mant, emin, fmax = _FORMAT[dtype]
     bits = x.contiguous().view(torch.int32)
+    if dtype == torch.bfloat16:
+        # Same exponent range as FP32: add half an ULP minus one plus the kept LSB, then drop the
+        # low 16 bits. The carry rounds up into the exponent (and to Inf past the largest value).
+        out = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).view(torch.float32)
+        return torch.where(torch.isnan(x), x, out)
+    out = _round_fixed_shift(bits, 23 - 10)
+    exp = ((bits >> 23) & 0xFF) - 127
+    special = (exp < -14) | (exp > 15) | (out.abs() > 65504.0)  # subnormals, overflow, Inf/NaN
+    if bool(special.any()):
+        out = torch.where(special, _round_general(x, bits, 10, -14, 65504.0), out)
+    return out
+
+
+def _round_fixed_shift(bits: torch.Tensor, shift: int) -> torch.Tensor:
+    half_minus_one = (1 << (shift - 1)) - 1
+    return ((bits + (half_minus_one + ((bits >> shift) & 1))) & ~((1 << shift) - 1)).view(torch.float32)
+
+
+def _round_general(x: torch.Tensor, bits: torch.Tensor, mant: int, emin: int, fmax: float) -> torch.Tensor:
+    """Any FP32 value to a format with ``mant`` mantissa bits and minimum normal exponent ``emin``."""
     sign = bits & torch.tensor(-0x80000000, dtype=torch.int32, device=x.device)
     mag = bits & 0x7FFFFFFF
     exp = (mag >> 23) - 127  # unbiased exponent; -127 for FP32 zeros and subnormals
@@ -69,8 +84,7 @@ def round_to(x: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:
     out = (rounded | sign).view(torch.float32)
     inf = torch.tensor(float("inf"), device=x.device)
     out = torch.where(out.abs() > fmax, torch.copysign(inf, out), out)
-    out = torch.where(torch.isnan(x), x, out)  # NaN stays NaN (Inf is handled by the line above)
-    return out
+    return torch.where(torch.isnan(x), x, out)  # NaN stays NaN (Inf is handled by the line above)
 
 
 def to_act(x: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:

@@ -1,0 +1,58 @@
+"""What an engine adapter gives the probe: the engine's own implementation of each region.
+
+An adapter is engine-specific (it imports the engine lazily, inside its own environment); the
+harness is not. Each region implementation is a plain callable on activation-dtype tensors:
+
+* ``rope(positions[T], q[T, Hq, D], k[T, Hk, D], *, base, style) -> (q_out, k_out)``
+* ``swiglu(gate[T, I], up[T, I]) -> out``
+* ``rmsnorm(x[T, H], weight[H], eps) -> out``
+* ``add_rmsnorm(x[T, H], residual[T, H], weight[H], eps) -> (out, residual_out)``
+
+A region the engine cannot run on this device is an :class:`Unavailable` with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import EngineProfilesError
+
+
+class Unavailable(EngineProfilesError):
+    """The engine cannot run this region (or this shape) here; the message says why."""
+
+
+class EngineNotInstalled(EngineProfilesError):
+    pass
+
+
+@dataclass
+class RegionImpl:
+    fn: Callable[..., Any]
+    path: str  # the engine code path, e.g. "vllm RMSNorm.forward_native via torch.compile(inductor)"
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EngineInfo:
+    name: str
+    version: str
+    backend: str
+    device: str
+    torch_version: str
+    execution_mode: str
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+class Adapter:
+    """Base class of engine adapters."""
+
+    name = "engine"
+    modes: tuple[str, ...] = ("default",)
+
+    def info(self) -> EngineInfo:
+        raise NotImplementedError
+
+    def regions(self) -> dict[str, RegionImpl | Unavailable]:
+        raise NotImplementedError

@@ -1,0 +1,111 @@
+"""Probe inputs: realistic magnitudes, outliers and rounding ties, over a sweep of shapes.
+
+Inputs are generated on the CPU from a seeded generator (identical on every machine), then moved
+to the probe device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import zlib
+
+import torch
+
+from ..rounding import round_to
+
+
+@dataclass(frozen=True)
+class Case:
+    region: str
+    shape: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.shape.items())
+
+
+# The sweep: token counts from 1 to many, hidden sizes that are and are not powers of two, head
+# dims 64 and 128 with GQA, both RoPE styles, positions beyond 32k.
+SWEEP: dict[str, list[dict[str, Any]]] = {
+    "rope": [
+        dict(tokens=1, q_heads=4, kv_heads=1, head_dim=64, style="neox", max_pos=8),
+        dict(tokens=7, q_heads=14, kv_heads=2, head_dim=64, style="neox", max_pos=40000),
+        dict(tokens=64, q_heads=8, kv_heads=2, head_dim=128, style="neox", max_pos=40000),
+        dict(tokens=33, q_heads=4, kv_heads=4, head_dim=128, style="interleaved", max_pos=4096),
+    ],
+    "swiglu": [
+        dict(tokens=1, inter=704),
+        dict(tokens=7, inter=1000),
+        dict(tokens=64, inter=4864),
+    ],
+    "rmsnorm": [
+        dict(tokens=1, hidden=896),
+        dict(tokens=7, hidden=1000),
+        dict(tokens=64, hidden=2048),
+        dict(tokens=16, hidden=128),
+    ],
+    "add_rmsnorm": [
+        dict(tokens=1, hidden=896),
+        dict(tokens=7, hidden=1000),
+        dict(tokens=64, hidden=2048),
+        dict(tokens=16, hidden=128),
+    ],
+}
+
+ROPE_BASE = 1000000.0
+EPS = 1e-6
+
+
+def cases(region: str, quick: bool = False) -> list[Case]:
+    sweep = SWEEP[region]
+    if quick:
+        sweep = sweep[:2]
+    return [Case(region, s) for s in sweep]
+
+
+def _act(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return round_to(x.float(), dtype).to(dtype)
+
+
+def _with_outliers(x: torch.Tensor, g: torch.Generator, frac: float, scale: float) -> torch.Tensor:
+    mask = torch.rand(x.shape, generator=g) < frac
+    return torch.where(mask, x * scale, x)
+
+
+def make_inputs(case: Case, dtype: torch.dtype, seed: int) -> dict[str, Any]:
+    """The tensors for one case (CPU). Magnitudes suit both BF16 and FP16 (no FP16 overflow)."""
+    g = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(f"{case.region}:{case.label}".encode()) % 100003)
+    s = case.shape
+    if case.region == "rope":
+        t = s["tokens"]
+        pos = torch.randint(0, s["max_pos"], (t,), generator=g)
+        pos[0] = s["max_pos"] - 1
+        q = _with_outliers(torch.randn(t, s["q_heads"], s["head_dim"], generator=g) * 2, g, 0.01, 20)
+        k = _with_outliers(torch.randn(t, s["kv_heads"], s["head_dim"], generator=g) * 4, g, 0.01, 20)
+        return dict(positions=pos, q=_act(q, dtype), k=_act(k, dtype), base=ROPE_BASE, style=s["style"])
+    if case.region == "swiglu":
+        shape = (s["tokens"], s["inter"])
+        gate = _with_outliers(torch.randn(shape, generator=g) * 3, g, 0.01, 6)
+        up = _with_outliers(torch.randn(shape, generator=g) * 2, g, 0.01, 10)
+        return dict(gate=_act(gate, dtype), up=_act(up, dtype))
+    shape = (s["tokens"], s["hidden"])
+    x = _with_outliers(torch.randn(shape, generator=g), g, 0.01, 30)
+    w = _act(1 + 0.1 * torch.randn(s["hidden"], generator=g), dtype)
+    w[:2] = torch.tensor([4.0, 0.03125])  # a couple of unusual weights, as real checkpoints have
+    if case.region == "rmsnorm":
+        return dict(x=_act(x, dtype), weight=w, eps=EPS)
+    res = _with_outliers(torch.randn(shape, generator=g) * 8, g, 0.01, 40)
+    res, x = _act(res, dtype), _act(x, dtype)
+    # Plant exact ties: x = half an ULP of the residual, so x + residual is a midpoint of the
+    # activation dtype; rounding it (or not) is then visible in the residual passed on.
+    n_ties = max(1, x.numel() // 50)
+    idx = torch.randperm(x.numel(), generator=g)[:n_ties]
+    r = res.flatten()[idx].float()
+    ulp = torch.where(r == 0, torch.ones_like(r), r.abs())
+    mant = 7 if dtype == torch.bfloat16 else 10
+    half_ulp = torch.exp2(torch.floor(torch.log2(ulp)) - mant - 1)
+    xf = x.flatten().clone()
+    xf[idx] = _act(half_ulp * torch.sign(torch.randn(n_ties, generator=g)), dtype)
+    return dict(x=xf.view(shape), residual=res, weight=w, eps=EPS)
