@@ -76,6 +76,111 @@ def list_profiles() -> None:
     out.print(t)
 
 
+ENGINE_HELP = {
+    "vllm": "Probe vLLM's layers as the engine runs them by default on this device (its CPU build "
+    "compiles the model with Inductor); --mode eager probes the enforce_eager path.",
+    "sglang": "Probe SGLang's layers as its CPU engine runs them.",
+    "transformers": "Probe HF transformers' own modules (the trainer side), or a patched model.",
+}
+
+
+MODE_HELP = {
+    "vllm": "default (what the engine does by default here: read from its config), compiled, eager",
+    "sglang": "default (what SGLang's CPU engine does), native (forward_native)",
+}
+
+
+def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str], seed: int, quick: bool,
+           region: Optional[list[str]], env: Optional[str], print_yaml: bool, model: Optional[str] = None) -> None:
+    import os
+    import sys
+    import time
+
+    from . import rounding
+    from .probe import runner
+    from .regions import REGIONS
+
+    try:
+        dt = rounding.act_dtype(dtype)
+        for r in region or []:
+            if r not in REGIONS:
+                raise EngineProfilesError(f"unknown region {r!r}; regions are {', '.join(REGIONS)}")
+        target, is_dir = runner.output_path(output)
+        if not runner.engine_importable(engine) and not os.environ.get("ENGINEPROFILES_REEXEC"):
+            python = runner.find_engine_python(engine, env)
+            raise typer.Exit(runner.reexec_in(python, sys.argv[1:], lambda m: err.print(m, highlight=False)))
+        if not runner.engine_importable(engine):
+            raise runner.EngineNotInstalled(
+                f"{engine} is not importable in {sys.executable}; make its environment with "
+                f"`{runner.install_hint(engine)}`"
+            )
+        from .probe.harness import run_probe
+
+        t0 = time.perf_counter()
+        err.print(f"[bold]probing {engine}[/bold] (mode {mode}, {dtype}, {device}, seed {seed})", highlight=False)
+        adapter = runner.make_adapter(engine, mode, dt, device, model)
+        err.print(f"  {engine} loaded in {time.perf_counter() - t0:.1f}s", highlight=False)
+
+        def progress(msg: str) -> None:
+            err.print(f"  [{time.perf_counter() - t0:6.1f}s] {msg}", highlight=False)
+
+        profile, _ = run_probe(adapter, dtype=dtype, device=device, seed=seed, quick=quick, regions=region,
+                               progress=progress)
+    except EngineProfilesError as e:
+        _fail(e)
+    render.show(profile, out)
+    if print_yaml or target is None:
+        out.print(profile.to_yaml(), highlight=False, markup=False, soft_wrap=True)
+    if target is not None:
+        path = runner.write_profile(profile, target, is_dir)
+        err.print(f"[green]wrote[/green] {path}", highlight=False)
+
+
+def _engine_command(engine: str):
+    def command(
+        device: str = typer.Option("cpu", help="device to probe on: cpu or cuda"),
+        dtype: str = typer.Option("bfloat16", help="activation dtype: bfloat16 or float16"),
+        mode: str = typer.Option("default", help=MODE_HELP[engine]),
+        output: Optional[str] = typer.Option(
+            ".", "-o", "--output", help="file, or folder for <canonical name>.yaml; '-' prints only"
+        ),
+        seed: int = typer.Option(0, help="seed of the probe inputs"),
+        quick: bool = typer.Option(False, help="fewer shapes (for smoke tests)"),
+        region: Optional[list[str]] = typer.Option(None, help="probe only this region (repeatable)"),
+        env: Optional[str] = typer.Option(
+            None, help="engine environment (venv folder, python or version) when the engine is not importable here"
+        ),
+        print_yaml: bool = typer.Option(False, "--yaml", help="also print the YAML"),
+    ) -> None:
+        _probe(engine, device, dtype, mode, output, seed, quick, region, env, print_yaml)
+
+    return command
+
+
+def _register_engines() -> None:
+    for engine in ("vllm", "sglang"):
+        app.command(engine, help=ENGINE_HELP[engine])(_engine_command(engine))
+
+    @app.command("transformers", help=ENGINE_HELP["transformers"])
+    def transformers_cmd(
+        device: str = typer.Option("cpu", help="device to probe on: cpu or cuda"),
+        dtype: str = typer.Option("bfloat16", help="activation dtype: bfloat16 or float16"),
+        mode: str = typer.Option("default", help="execution mode: default (eager modules)"),
+        output: Optional[str] = typer.Option(
+            ".", "-o", "--output", help="file, or folder for <canonical name>.yaml; '-' prints only"
+        ),
+        seed: int = typer.Option(0, help="seed of the probe inputs"),
+        quick: bool = typer.Option(False, help="fewer shapes (for smoke tests)"),
+        region: Optional[list[str]] = typer.Option(None, help="probe only this region (repeatable)"),
+        family: str = typer.Option("qwen2", help="model family whose modules are probed: qwen2, qwen3, llama"),
+        print_yaml: bool = typer.Option(False, "--yaml", help="also print the YAML"),
+    ) -> None:
+        _probe("transformers", device, dtype, mode, output, seed, quick, region, None, print_yaml, family)
+
+
+_register_engines()
+
+
 def version_callback(value: bool) -> None:
     if value:
         out.print(f"probe-engine {__version__}")

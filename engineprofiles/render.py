@@ -11,7 +11,16 @@ from .schema import Profile
 
 
 def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.4g}%"
+    if x is None:
+        return "-"
+    if x == 1.0:
+        return "100%"
+    s = f"{100 * x:.2f}"
+    digits = 2
+    while s.startswith("100") and digits < 12:  # never show a partial match as 100%
+        digits += 2
+        s = f"{100 * x:.{digits}f}"
+    return s + "%"
 
 
 def profile_header(p: Profile, name: str | None = None) -> Text:
@@ -27,9 +36,9 @@ def profile_header(p: Profile, name: str | None = None) -> Text:
     return t
 
 
-def sites_table(p: Profile) -> Table:
+def sites_table(p: Profile, wide: bool = True) -> Table:
     t = Table(title="rounding sites", show_lines=False)
-    for col in ("region", "site", "choice", "meaning"):
+    for col in ("region", "site", "choice", "meaning")[: 4 if wide else 3]:
         t.add_column(col)
     for name, spec in REGIONS.items():
         entry = p.entry(name)
@@ -40,17 +49,17 @@ def sites_table(p: Profile) -> Table:
         for c in spec.sites:
             v = getattr(entry.sites, c.name)
             style = "cyan" if v == "fp32" else "yellow"
-            t.add_row(name if first else "", c.name, f"[{style}]{v}[/{style}]", c.doc)
+            t.add_row(name if first else "", c.name, f"[{style}]{v}[/{style}]", *([c.doc] if wide else []))
             first = False
         for c in spec.variants:
-            t.add_row("", f"{c.name} (variant)", getattr(entry.variants, c.name), c.doc)
+            t.add_row("", f"{c.name} (variant)", getattr(entry.variants, c.name), *([c.doc] if wide else []))
         t.add_section()
     return t
 
 
 def evidence_table(p: Profile) -> Table:
     t = Table(title="evidence")
-    for col in ("region", "path", "match", "runner-up", "max ulp", "shapes", "flags"):
+    for col in ("region", "match", "runner-up", "max ulp", "shapes", "flags"):
         t.add_column(col)
     for name in REGIONS:
         ev = p.entry(name).evidence
@@ -60,7 +69,6 @@ def evidence_table(p: Profile) -> Table:
         ru = "-" if ev.runner_up is None else f"{ev.runner_up} ({_pct(ev.runner_up_match_rate)})"
         t.add_row(
             name,
-            ev.path or "-",
             _pct(ev.match_rate),
             ru,
             "-" if ev.max_ulp is None else str(ev.max_ulp),
@@ -74,6 +82,8 @@ def notes(p: Profile) -> Text:
     t = Text()
     for name in REGIONS:
         ev = p.entry(name).evidence
+        if ev.path:
+            t.append(f"{name}: probed {ev.path}\n")
         for n in ev.notes:
             t.append(f"{name}: {n}\n")
         if ev.indistinguishable:
@@ -84,4 +94,4 @@ def notes(p: Profile) -> Text:
 
 
 def show(p: Profile, console: Console, name: str | None = None) -> None:
-    console.print(Group(profile_header(p, name), sites_table(p), evidence_table(p), notes(p)))
+    console.print(Group(profile_header(p, name), sites_table(p, wide=console.width >= 120), evidence_table(p), notes(p)))

@@ -59,10 +59,10 @@ PLAIN_SPEC = RegionSpec(
 
 def _normalize(u: torch.Tensor, v: torch.Tensor, eps: float, rstd: str, math: MathMode) -> torch.Tensor:
     if math == "portable":
-        var = portable.mean_of_squares(v).unsqueeze(-1)
+        var = portable.mean_of_squares(v)  # keeps the reduced dim
         ve = var + torch.tensor(eps, dtype=torch.float32, device=v.device)
         if rstd == "divide":
-            return u / torch.sqrt(ve)
+            return u / portable.sqrt(ve)
         return u * portable.rsqrt(ve)
     var = v.pow(2).mean(-1, keepdim=True)
     ve = var + eps

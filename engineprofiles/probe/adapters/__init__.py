@@ -1,0 +1,3 @@
+"""Engine adapters. Each imports its engine lazily, so this package imports anywhere."""
+
+ENGINES = ("vllm", "sglang", "transformers")

@@ -1,0 +1,239 @@
+"""vLLM: its own layer classes, run the way the engine runs them on this device.
+
+The execution mode is read from vLLM's own default configuration (``VllmConfig()`` after the
+platform hook), not guessed. On vLLM's CPU build that is whole-model compilation with
+torch.compile + Inductor, custom ops off (``forward_native``); each region is compiled through
+vLLM's own ``support_torch_compile`` wrapper, the mechanism the engine applies to the model, with
+the token dimension dynamic. ``mode="eager"`` is the engine with ``enforce_eager`` (compilation
+mode NONE): custom ops on, each layer dispatching to its CPU kernel.
+
+A region compiled alone can round differently from the same region inside the compiled model
+(fusion spans layers); the in-situ probe is the truth for that.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from ..base import Adapter, EngineInfo, EngineNotInstalled, RegionImpl, Unavailable
+
+MODES = ("default", "compiled", "eager")
+INSTALL_HINT = "scripts/engine_env.sh vllm 0.32.0"
+
+
+def _import_vllm():
+    os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")  # no stale AOT artifacts from ~/.cache/vllm
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise EngineNotInstalled(
+            f"vLLM is not installed in this Python environment ({e}). Make its environment with "
+            f"`{INSTALL_HINT}` and run the probe there (probe-engine finds .engines/vllm-* by itself)."
+        ) from None
+    return vllm
+
+
+class VllmAdapter(Adapter):
+    name = "vllm"
+    modes = MODES
+
+    def __init__(self, mode: str = "default", dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
+        if mode not in MODES:
+            raise ValueError(f"vllm mode must be one of {', '.join(MODES)}; got {mode!r}")
+        self.vllm = _import_vllm()
+        from vllm.config import CompilationConfig, VllmConfig
+        from vllm.config.compilation import CompilationMode
+
+        self.dtype, self.device = dtype, device
+        default = VllmConfig()
+        cc = default.compilation_config
+        compiled_default = cc.mode not in (None, CompilationMode.NONE)
+        if mode == "default":
+            mode = "compiled" if compiled_default else "eager"
+        self.mode = mode
+        if mode == "compiled":
+            if cc.mode in (None, CompilationMode.NONE):
+                cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE)
+                self.config = VllmConfig(compilation_config=cc)
+            else:
+                self.config = default
+        else:
+            self.config = VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.NONE))
+        self.cc = self.config.compilation_config
+        self.default_mode = "compiled" if compiled_default else "eager"
+
+    # -- engine description ------------------------------------------------------------------
+    def info(self) -> EngineInfo:
+        from ..harness import device_name
+
+        cc = self.cc
+        settings: dict[str, Any] = {
+            "compilation_mode": str(getattr(cc.mode, "name", cc.mode)),
+            "compile_backend": str(cc.backend),
+            "custom_ops": [str(c) for c in cc.custom_ops],
+            "engine_default_mode": self.default_mode,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        }
+        for k, v in sorted(dict(cc.inductor_compile_config).items()):
+            if isinstance(v, (str, int, float, bool)):
+                settings[f"inductor.{k}"] = v
+        execution = f"inductor" if self.mode == "compiled" else "eager"
+        return EngineInfo(
+            name="vllm",
+            version=self.vllm.__version__,
+            backend="cuda" if self.device.startswith("cuda") else "cpu",
+            device=device_name(self.device),
+            torch_version=torch.__version__,
+            execution_mode=execution,
+            settings=settings,
+        )
+
+    # -- the regions ---------------------------------------------------------------------------
+    def _activate(self) -> None:
+        k = getattr(self.config, "kernel_config", None)
+        if k is not None and hasattr(k, "ir_op_priority"):
+            k.ir_op_priority.set_default()  # what the worker does at start-up
+        try:
+            import vllm.ir as vir
+
+            if hasattr(vir, "set_default_torch_wrap"):
+                vir.set_default_torch_wrap(self.cc.ir_enable_torch_wrap)
+        except ImportError:
+            pass
+
+    def _compiled(self, layer: torch.nn.Module, argnames: tuple[str, ...]) -> Callable[..., Any]:
+        """Compile ``layer`` the way vLLM compiles a model on this platform.
+
+        Read from the engine, as its compile wrapper (vllm/compilation/wrapper.py) does:
+        ``torch.compile(fullgraph=True, dynamic=False, backend=cc.init_backend(...),
+        options=cc.inductor_compile_config + guard_filter_fn)`` with the token dimension marked
+        dynamic and all guards dropped (trace once, then run every token count on that graph).
+        One compiled function (a fresh code object) per shape signature other than tokens.
+        """
+        cc, config = self.cc, self.config
+        try:
+            backend = cc.init_backend(config, prefix="probe")
+        except TypeError:
+            backend = cc.init_backend(config)
+        options: dict[str, Any] = dict(cc.inductor_compile_config) if backend == "inductor" else {}
+        skip = getattr(torch.compiler, "skip_all_guards_unsafe", None) or (lambda x: [False for _ in x])
+        dsc = getattr(cc, "dynamic_shapes_config", None)
+        if dsc is not None and getattr(dsc, "evaluate_guards", False):
+            options["guard_filter_fn"] = lambda x: [e.guard_type == "SHAPE_ENV" for e in x]
+        else:
+            options["guard_filter_fn"] = skip
+        try:
+            from vllm.env_override import _apply_constrain_to_fx_strides_patch
+
+            _apply_constrain_to_fx_strides_patch()
+        except ImportError:
+            pass
+        patches: dict[str, Any] = {}
+        if hasattr(torch._inductor.config, "assume_32bit_indexing"):
+            patches["assume_32bit_indexing"] = getattr(dsc, "assume_32_bit_indexing", False) if dsc else False
+        compiled: dict[tuple, Any] = {}
+        args_text = ", ".join(argnames)
+
+        def run(fn, args):
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.dim() > 0:
+                    torch._dynamo.mark_dynamic(a, 0)
+            with torch._inductor.config.patch(**patches):
+                return fn(*args)
+
+        def call(*args):
+            sig = tuple((tuple(a.shape[1:]), a.dtype) for a in args if isinstance(a, torch.Tensor))
+            if sig not in compiled:
+                ns: dict[str, Any] = {}
+                exec(f"def region({args_text}):\n    return layer({args_text})\n", {"layer": layer}, ns)  # noqa: S102
+                fn = torch.compile(ns["region"], fullgraph=True, dynamic=False, backend=backend, options=options)
+                # Trace once with a symbolic token count (at least 2 tokens, so the size is
+                # not specialized to 1), as the engine's warm-up does.
+                warm = tuple(a.repeat(4, *([1] * (a.dim() - 1)))[:4].clone() if isinstance(a, torch.Tensor) else a for a in args)
+                run(fn, warm)
+                compiled[sig] = fn
+            return run(compiled[sig], args)
+
+        return call
+
+    def regions(self) -> dict[str, RegionImpl | Unavailable]:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.activation import SiluAndMul
+        from vllm.model_executor.layers.layernorm import RMSNorm
+        from vllm.model_executor.layers import rotary_embedding as rope_mod
+
+        dtype, dev, compiled = self.dtype, self.device, self.mode == "compiled"
+        config = self.config
+        norms: dict[tuple, Any] = {}
+        ropes: dict[tuple, Any] = {}
+        how = "compiled as the engine compiles the model: torch.compile, inductor, no guards" if compiled else "eager"
+
+        with set_current_vllm_config(config):
+            self._activate()
+            act_layer = SiluAndMul()
+            if compiled and hasattr(act_layer, "forward_native"):
+                pass
+        act_call = self._compiled(act_layer, ("x",)) if compiled else None
+
+        def norm_for(hidden: int, eps: float, weight: torch.Tensor):
+            key = (hidden, eps)
+            if key not in norms:
+                with set_current_vllm_config(config):
+                    layer = RMSNorm(hidden, eps=eps, dtype=dtype).to(dev)
+                plain = self._compiled(layer, ("x",)) if compiled else None
+                add = self._compiled(layer, ("x", "residual")) if compiled else None
+                norms[key] = (layer, plain, add)
+            layer, plain, add = norms[key]
+            with torch.no_grad():
+                layer.weight.copy_(weight)
+            return layer, plain, add
+
+        def rmsnorm(x, weight, eps):
+            layer, plain, _ = norm_for(x.shape[-1], eps, weight)
+            with set_current_vllm_config(config):
+                return plain(x) if compiled else layer(x)
+
+        def add_rmsnorm(x, residual, weight, eps):
+            layer, _, add = norm_for(x.shape[-1], eps, weight)
+            with set_current_vllm_config(config):
+                out = add(x, residual) if compiled else layer(x, residual)
+            return out[0], out[1]
+
+        def swiglu(gate, up):
+            x = torch.cat((gate, up), dim=-1)
+            with set_current_vllm_config(config):
+                return act_call(x) if compiled else act_layer(x)
+
+        def rope(positions, q, k, *, base, style):
+            t, hq, d = q.shape
+            hk = k.shape[1]
+            key = (d, base, style)
+            if key not in ropes:
+                rope_mod._ROPE_DICT.clear()  # get_rope caches instances with their dispatch choice
+                with set_current_vllm_config(config):
+                    layer = rope_mod.get_rope(d, 1 << 17, style == "neox", {"rope_theta": base}, dtype).to(dev)
+                ropes[key] = (layer, self._compiled(layer, ("positions", "query", "key")) if compiled else None)
+            layer, call = ropes[key]
+            qf, kf = q.reshape(t, hq * d), k.reshape(t, hk * d)
+            with set_current_vllm_config(config):
+                qo, ko = call(positions, qf, kf) if compiled else layer(positions, qf, kf)
+            return qo.reshape(t, hq, d), ko.reshape(t, hk, d)
+
+        def method(layer) -> str:
+            fm = getattr(layer, "_forward_method", None)
+            return getattr(fm, "__qualname__", None) or type(layer).__name__
+
+        with set_current_vllm_config(config):
+            probe_norm = RMSNorm(8, dtype=dtype)
+            probe_rope = rope_mod.get_rope(64, 256, True, {"rope_theta": 1e4}, dtype)
+            rope_mod._ROPE_DICT.clear()
+        notes = [f"engine default execution mode on this device: {self.default_mode}"]
+        return {
+            "rope": RegionImpl(rope, f"vllm {method(probe_rope)} ({how})", notes),
+            "swiglu": RegionImpl(swiglu, f"vllm {method(act_layer)} ({how})", notes),
+            "add_rmsnorm": RegionImpl(add_rmsnorm, f"vllm {method(probe_norm)} with residual ({how})", notes),
+            "rmsnorm": RegionImpl(rmsnorm, f"vllm {method(probe_norm)} ({how})", notes),
+        }
