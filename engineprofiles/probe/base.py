@@ -56,3 +56,8 @@ class Adapter:
 
     def regions(self) -> dict[str, RegionImpl | Unavailable]:
         raise NotImplementedError
+
+    def sweep(self, region: str) -> list[dict[str, Any]] | None:
+        """Shapes to probe ``region`` at, when the engine fixes some dims (a given model); None
+        means the standard sweep."""
+        return None

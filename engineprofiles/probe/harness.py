@@ -108,13 +108,13 @@ class RegionResult:
 
 def probe_region(
     region: str, impl: RegionImpl, dtype: torch.dtype, device: str, seed: int, quick: bool = False,
-    progress: Progress | None = None,
+    progress: Progress | None = None, sweep: list[dict[str, Any]] | None = None,
 ) -> RegionResult:
     spec = REGIONS[region]
     points = spec.all_points()
     res = RegionResult(region, impl)
     t0 = time.perf_counter()
-    for case in cases(region, quick):
+    for case in cases(region, quick, sweep):
         inp = make_inputs(case, dtype, seed)
         try:
             first = call_engine(region, impl, inp, device)
@@ -248,7 +248,7 @@ def run_probe(
         else:
             if progress:
                 progress(f"{name}: probing {impl.path}")
-            results[name] = probe_region(name, impl, dt, device, seed, quick, progress)
+            results[name] = probe_region(name, impl, dt, device, seed, quick, progress, adapter.sweep(name))
         d = decide(results[name])
         points[name], evidence[name] = d.winner, d.evidence
     profile = make_profile(

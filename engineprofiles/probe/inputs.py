@@ -58,8 +58,8 @@ ROPE_BASE = 1000000.0
 EPS = 1e-6
 
 
-def cases(region: str, quick: bool = False) -> list[Case]:
-    sweep = SWEEP[region]
+def cases(region: str, quick: bool = False, sweep: list[dict[str, Any]] | None = None) -> list[Case]:
+    sweep = sweep if sweep is not None else SWEEP[region]
     if quick:
         sweep = sweep[:2]
     return [Case(region, s) for s in sweep]
@@ -84,18 +84,20 @@ def make_inputs(case: Case, dtype: torch.dtype, seed: int) -> dict[str, Any]:
         pos[0] = s["max_pos"] - 1
         q = _with_outliers(torch.randn(t, s["q_heads"], s["head_dim"], generator=g) * 2, g, 0.01, 20)
         k = _with_outliers(torch.randn(t, s["kv_heads"], s["head_dim"], generator=g) * 4, g, 0.01, 20)
-        return dict(positions=pos, q=_act(q, dtype), k=_act(k, dtype), base=ROPE_BASE, style=s["style"])
+        base = s.get("base", ROPE_BASE)
+        return dict(positions=pos, q=_act(q, dtype), k=_act(k, dtype), base=base, style=s["style"])
     if case.region == "swiglu":
         shape = (s["tokens"], s["inter"])
         gate = _with_outliers(torch.randn(shape, generator=g) * 3, g, 0.01, 6)
         up = _with_outliers(torch.randn(shape, generator=g) * 2, g, 0.01, 10)
         return dict(gate=_act(gate, dtype), up=_act(up, dtype))
     shape = (s["tokens"], s["hidden"])
+    eps = s.get("eps", EPS)
     x = _with_outliers(torch.randn(shape, generator=g), g, 0.01, 30)
     w = _act(1 + 0.1 * torch.randn(s["hidden"], generator=g), dtype)
     w[:2] = torch.tensor([4.0, 0.03125])  # a couple of unusual weights, as real checkpoints have
     if case.region == "rmsnorm":
-        return dict(x=_act(x, dtype), weight=w, eps=EPS)
+        return dict(x=_act(x, dtype), weight=w, eps=eps)
     res = _with_outliers(torch.randn(shape, generator=g) * 8, g, 0.01, 40)
     res, x = _act(res, dtype), _act(x, dtype)
     # Plant exact ties: x = half an ULP of the residual, so x + residual is a midpoint of the
@@ -108,4 +110,4 @@ def make_inputs(case: Case, dtype: torch.dtype, seed: int) -> dict[str, Any]:
     half_ulp = torch.exp2(torch.floor(torch.log2(ulp)) - mant - 1)
     xf = x.flatten().clone()
     xf[idx] = _act(half_ulp * torch.sign(torch.randn(n_ties, generator=g)), dtype)
-    return dict(x=xf.view(shape), residual=res, weight=w, eps=EPS)
+    return dict(x=xf.view(shape), residual=res, weight=w, eps=eps)

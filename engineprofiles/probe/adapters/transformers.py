@@ -1,0 +1,265 @@
+"""HF transformers: the trainer side, probed through the model family's own modules.
+
+Each region is exercised through the module that runs it in a real forward pass, so a model
+patched by ``emulator.apply_profile`` is probed the same way (the closed loop):
+
+* rope: the attention module, with its projections fed the probe's q/k (Qwen3's q/k norms set
+  aside) and an attention implementation that captures q/k after the rotary embedding; cos/sin
+  come from the model's rotary embedding module.
+* swiglu: the MLP, with gate/up projections returning the probe's tensors.
+* rmsnorm: the first decoder layer's input norm (no add before it).
+* add_rmsnorm: the decoder layer's own residual add feeding the post-attention norm: attention
+  returns the probe's x, the MLP records its input (the norm output) and returns zeros, so the
+  layer returns the residual it passes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from ..base import Adapter, EngineInfo, EngineNotInstalled, RegionImpl, Unavailable
+
+FAMILIES = ("qwen2", "qwen3", "llama")
+CAPTURE = "engineprofiles_capture"
+
+
+def _import():
+    try:
+        import transformers
+    except ImportError as e:
+        raise EngineNotInstalled(f"transformers is not installed ({e}); pip install transformers") from None
+    return transformers
+
+
+def family_classes(family: str):
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; supported: {', '.join(FAMILIES)}")
+    if family == "qwen2":
+        from transformers import Qwen2Config as C
+        from transformers.models.qwen2 import modeling_qwen2 as m
+
+        return C, m.Qwen2DecoderLayer, m.Qwen2RotaryEmbedding
+    if family == "qwen3":
+        from transformers import Qwen3Config as C
+        from transformers.models.qwen3 import modeling_qwen3 as m
+
+        return C, m.Qwen3DecoderLayer, m.Qwen3RotaryEmbedding
+    from transformers import LlamaConfig as C
+    from transformers.models.llama import modeling_llama as m
+
+    return C, m.LlamaDecoderLayer, m.LlamaRotaryEmbedding
+
+
+def _capture_fn(module, query, key, value, attention_mask, **kwargs):
+    module._engineprofiles_qk = (query, key)
+    b, h, t, d = query.shape
+    return torch.zeros(b, t, h, d, dtype=query.dtype, device=query.device), None
+
+
+def _register_capture() -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if CAPTURE not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(CAPTURE, _capture_fn)
+
+
+class _Returns(torch.nn.Module):
+    """Stands in for a projection: returns a fixed tensor whatever it is given."""
+
+    def __init__(self, value: torch.Tensor):
+        super().__init__()
+        self.value = value
+
+    def forward(self, x):
+        return self.value
+
+
+class _Record(torch.nn.Module):
+    """Stands in for the MLP: records its input, returns zeros of the same shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: torch.Tensor | None = None
+
+    def forward(self, x):
+        self.seen = x
+        return torch.zeros_like(x)
+
+
+@contextlib.contextmanager
+def _swap(module: torch.nn.Module, **parts: Any) -> Iterator[None]:
+    old = {k: module._modules.get(k, getattr(module, k, None)) for k in parts}
+    try:
+        for k, v in parts.items():
+            setattr(module, k, v)
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
+
+
+@contextlib.contextmanager
+def _weight(norm: torch.nn.Module, w: torch.Tensor) -> Iterator[None]:
+    old = norm.weight.detach().clone()
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            norm.weight.copy_(old)
+
+
+def find_decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp") and hasattr(m, "input_layernorm")]
+
+
+class TransformersAdapter(Adapter):
+    name = "transformers"
+    modes = ("default",)
+
+    def __init__(self, mode: str = "default", dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+                 family: str | None = None, model: torch.nn.Module | None = None, label: str | None = None):
+        if mode not in self.modes:
+            raise ValueError(f"transformers mode must be one of {', '.join(self.modes)}; got {mode!r}")
+        self.tf = _import()
+        _register_capture()
+        self.dtype, self.device, self.model, self.label = dtype, device, model, label
+        if model is not None:
+            layers = find_decoder_layers(model)
+            if not layers:
+                raise ValueError(f"{type(model).__name__} has no decoder layers (modules with self_attn, mlp, input_layernorm)")
+            self.layer = layers[0]
+            self.config = self.layer.self_attn.config
+            rot = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+            if not rot:
+                raise ValueError(f"{type(model).__name__} has no rotary embedding module")
+            self.rotary = rot[0]
+            self.family = self.config.model_type
+        else:
+            self.family = family or "qwen2"
+            family_classes(self.family)  # validates
+
+    def info(self) -> EngineInfo:
+        from ..harness import device_name
+
+        settings: dict[str, Any] = {"family": self.family}
+        mode = "eager"
+        if self.model is not None:
+            settings["model_class"] = type(self.model).__name__
+            if self.label:
+                settings["patched_with"] = self.label
+                mode = "patched"
+        return EngineInfo(
+            name="transformers", version=self.tf.__version__,
+            backend="cuda" if self.device.startswith("cuda") else "cpu",
+            device=device_name(self.device), torch_version=torch.__version__, execution_mode=mode, settings=settings,
+        )
+
+    def sweep(self, region: str) -> list[dict[str, Any]] | None:
+        if self.model is None:
+            return None
+        c = self.config
+        hd = getattr(self.layer.self_attn, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", 10000.0))
+        eps = c.rms_norm_eps
+        if region == "rope":
+            return [dict(tokens=t, q_heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=hd,
+                         style="neox", max_pos=mp, base=float(theta)) for t, mp in ((1, 8), (7, 4096), (64, 40000))]
+        if region == "swiglu":
+            return [dict(tokens=t, inter=c.intermediate_size) for t in (1, 7, 64)]
+        return [dict(tokens=t, hidden=c.hidden_size, eps=eps) for t in (1, 7, 64)]
+
+    # -- building the family's modules for a probe shape ---------------------------------------
+    def _parts(self, hidden: int, heads: int = 1, kv: int = 1, head_dim: int = 64, inter: int = 64,
+               base: float = 10000.0, eps: float = 1e-6):
+        if self.model is not None:
+            return self.layer, self.rotary, self.config
+        C, Layer, Rotary = family_classes(self.family)
+        cfg = C(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv,
+                head_dim=head_dim, num_hidden_layers=1, vocab_size=32, rms_norm_eps=eps,
+                rope_parameters={"rope_type": "default", "rope_theta": base}, max_position_embeddings=1 << 17)
+        cfg._attn_implementation = "eager"
+        layer = Layer(cfg, layer_idx=0).to(device=self.device, dtype=self.dtype)
+        rot = Rotary(cfg).to(self.device)
+        return layer, rot, cfg
+
+    def regions(self) -> dict[str, RegionImpl | Unavailable]:
+        dev = self.device
+
+        def rmsnorm(x, weight, eps):
+            layer, _, _ = self._parts(x.shape[-1], eps=eps)
+            norm = layer.input_layernorm
+            with torch.no_grad(), _weight(norm, weight):
+                return norm(x.unsqueeze(0))[0]
+
+        def add_rmsnorm(x, residual, weight, eps):
+            layer, rot, cfg = self._parts(x.shape[-1], eps=eps)
+            rec = _Record()
+            t = x.shape[0]
+            pos = torch.arange(t, device=dev).unsqueeze(0)
+            with torch.no_grad(), _weight(layer.post_attention_layernorm, weight), \
+                    _swap(layer, self_attn=_AttnReturns(x.unsqueeze(0)), mlp=rec):
+                out = layer(residual.unsqueeze(0), attention_mask=None, position_ids=pos,
+                            position_embeddings=rot(residual.unsqueeze(0), pos))
+            out = out[0] if isinstance(out, tuple) else out
+            return rec.seen[0], out[0]
+
+        def swiglu(gate, up):
+            layer, _, _ = self._parts(64, inter=gate.shape[-1])
+            mlp = layer.mlp
+            ident = _Identity()
+            dummy = torch.zeros(1, gate.shape[0], 1, dtype=gate.dtype, device=dev)
+            with torch.no_grad(), _swap(mlp, gate_proj=_Returns(gate.unsqueeze(0)), up_proj=_Returns(up.unsqueeze(0)),
+                                        down_proj=ident):
+                return mlp(dummy)[0]
+
+        def rope(positions, q, k, *, base, style):
+            if style != "neox":
+                raise Unavailable(f"HF {self.family} applies RoPE in the neox (rotate_half) layout only")
+            t, hq, d = q.shape
+            hk = k.shape[1]
+            layer, rot, cfg = self._parts(hq * d, heads=hq, kv=hk, head_dim=d, base=base)
+            attn = layer.self_attn
+            parts = dict(q_proj=_Returns(q.reshape(1, t, hq * d)), k_proj=_Returns(k.reshape(1, t, hk * d)),
+                         v_proj=_Returns(k.reshape(1, t, hk * d)), o_proj=_Identity())
+            if hasattr(attn, "q_norm"):
+                parts.update(q_norm=_Identity(), k_norm=_Identity())
+            old_impl = attn.config._attn_implementation
+            pos = positions.unsqueeze(0)
+            try:
+                attn.config._attn_implementation = CAPTURE
+                with torch.no_grad(), _swap(attn, **parts):
+                    dummy = torch.zeros(1, t, hq * d, dtype=q.dtype, device=dev)
+                    attn(hidden_states=dummy, position_embeddings=rot(dummy, pos), attention_mask=None)
+            finally:
+                attn.config._attn_implementation = old_impl
+            qo, ko = attn.__dict__.pop("_engineprofiles_qk")
+            return qo[0].transpose(0, 1), ko[0].transpose(0, 1)
+
+        what = f"patched model ({self.label})" if self.label else (f"{type(self.model).__name__}" if self.model is not None else f"{self.family} modules")
+        return {
+            "rope": RegionImpl(rope, f"transformers {what}: rotary embedding + attention's apply_rotary_pos_emb"),
+            "swiglu": RegionImpl(swiglu, f"transformers {what}: MLP act_fn(gate) * up"),
+            "add_rmsnorm": RegionImpl(add_rmsnorm, f"transformers {what}: decoder layer residual add + post-attention norm"),
+            "rmsnorm": RegionImpl(rmsnorm, f"transformers {what}: first layer's input norm"),
+        }
+
+
+class _Identity(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+
+class _AttnReturns(torch.nn.Module):
+    """Stands in for self-attention: returns the probe's x as the attention output."""
+
+    def __init__(self, value: torch.Tensor):
+        super().__init__()
+        self.value = value
+
+    def forward(self, hidden_states=None, **kwargs):
+        return self.value, None
