@@ -76,6 +76,34 @@ def list_profiles() -> None:
     out.print(t)
 
 
+@app.command()
+def diff(
+    a: str = typer.Argument(..., help="first profile (file or shipped name)"),
+    b: str = typer.Argument(..., help="second profile (file or shipped name)"),
+    format: str = typer.Option("table", "--format", "-f", help="table, markdown or json"),
+) -> None:
+    """Compare two profiles site by site. Exit 0 when all sites agree, 1 when any differs, 2 on error.
+
+    Formula variants, evidence and provenance differences are shown but do not count as site
+    differences."""
+    from .diff import diff_profiles
+
+    if format not in ("table", "markdown", "json"):
+        _fail(EngineProfilesError(f"--format must be table, markdown or json; got {format!r}"))
+    try:
+        pa, pb = store.get_profile(a), store.get_profile(b)
+    except EngineProfilesError as e:
+        _fail(e)
+    d = diff_profiles(pa, pb, a, b)
+    if format == "json":
+        out.print(d.to_json(), highlight=False, markup=False, soft_wrap=True)
+    elif format == "markdown":
+        out.print(d.to_markdown(), highlight=False, markup=False, soft_wrap=True)
+    else:
+        out.print(render.diff_table(d))
+    raise typer.Exit(d.exit_code)
+
+
 ENGINE_HELP = {
     "vllm": "Probe vLLM's layers as the engine runs them by default on this device (its CPU build "
     "compiles the model with Inductor); --mode eager probes the enforce_eager path.",

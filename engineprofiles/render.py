@@ -95,3 +95,30 @@ def notes(p: Profile) -> Text:
 
 def show(p: Profile, console: Console, name: str | None = None) -> None:
     console.print(Group(profile_header(p, name), sites_table(p, wide=console.width >= 120), evidence_table(p), notes(p)))
+
+
+def diff_table(d) -> Group:
+    t = Table(title=f"{d.a_name}  vs  {d.b_name}")
+    for col in ("region", "site", d.a_name, d.b_name, ""):
+        t.add_column(col, overflow="fold")
+    for r in d.rows:
+        if r.same:
+            mark = ""
+        elif r.kind == "variant":
+            mark = "[yellow]differs (variant)[/yellow]"
+        else:
+            mark = "[red bold]differs[/red bold]"
+        name = r.name if r.kind != "variant" else f"{r.name} (variant)"
+        t.add_row(r.region, name, r.a, r.b, mark)
+    parts: list = [t]
+    if d.context:
+        c = Table(title="other differences (not rounding sites)")
+        for col in ("field", d.a_name, d.b_name):
+            c.add_column(col, overflow="fold")
+        for f, a, b in d.context:
+            c.add_row(f, a, b)
+        parts.append(c)
+    n = len(d.site_differences)
+    parts.append(Text("all rounding sites agree" if n == 0 else f"{n} rounding site(s) differ",
+                      style="green" if n == 0 else "red bold"))
+    return Group(*parts)

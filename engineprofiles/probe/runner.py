@@ -84,6 +84,8 @@ def output_path(output: str | None) -> tuple[Path | None, bool]:
     probe_dir = folder
     while not probe_dir.exists():
         probe_dir = probe_dir.parent
+    if not probe_dir.is_dir():
+        raise OutputNotWritable(f"cannot write the profile to {output}: {probe_dir} is a file, not a folder")
     if not os.access(probe_dir, os.W_OK | os.X_OK):
         raise OutputNotWritable(f"cannot write the profile to {output}: {probe_dir} is not writable")
     if not is_dir and p.exists() and not os.access(p, os.W_OK):

@@ -32,13 +32,18 @@ class SyntheticAdapter(Adapter):
         large_tokens: int = 32,
         flip_bits: set[str] = frozenset(),
         mixed_with: dict[str, Point] | None = None,
+        sweeps: dict[str, list[dict[str, Any]]] | None = None,
     ):
+        self.sweeps = sweeps or {}
         self.points = points
         self.large_points = large_points or {}
         self.large_tokens = large_tokens
         self.flip_bits = set(flip_bits)
         self.mixed_with = mixed_with or {}
         self._calls = itertools.count()
+
+    def sweep(self, region: str) -> list[dict[str, Any]] | None:
+        return self.sweeps.get(region)
 
     def info(self) -> EngineInfo:
         return EngineInfo("synthetic", "0", "cpu", "reference", torch.__version__, "reference")
