@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Probe a real engine in its own environment and print the profile.
+#
+#   scripts/probe.sh ENGINE [VERSION] [--ship] [probe-engine options...]
+#
+# ENGINE: vllm | sglang (made by scripts/engine_env.sh) or transformers (the dev venv).
+# The profile is written to out/<engine>-<version>-<backend>-<mode>-<dtype>.yaml, or with --ship
+# into profiles/ (the shipped profiles are produced exactly this way, never typed by hand).
+#
+# On a GPU machine: make the engine's CUDA environment yourself (its CUDA wheel), point --env at it
+# and pass --device cuda, e.g.  scripts/probe.sh vllm 0.32.0 --env /path/to/venv --device cuda
+set -euo pipefail
+REPO=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
+[[ $# -ge 1 ]] || { echo "usage: $0 ENGINE [VERSION] [--ship] [probe-engine options]" >&2; exit 2; }
+ENGINE=$1; shift
+case "$ENGINE" in
+  vllm) VERSION=0.32.0 ;;
+  sglang) VERSION=0.5.23 ;;
+  transformers) VERSION= ;;
+  *) echo "unknown engine '$ENGINE' (vllm, sglang or transformers)" >&2; exit 2 ;;
+esac
+if [[ $# -ge 1 && "$1" != -* ]]; then VERSION=$1; shift; fi
+OUT="$REPO/out"
+ARGS=()
+for a in "$@"; do
+  if [[ "$a" == "--ship" ]]; then OUT="$REPO/profiles"; else ARGS+=("$a"); fi
+done
+mkdir -p "$OUT"
+if [[ "$ENGINE" == transformers ]]; then
+  PY=$("$REPO/scripts/dev_env.sh")
+else
+  PY=$("$REPO/scripts/engine_env.sh" "$ENGINE" "$VERSION")
+fi
+cd "$REPO"
+ENGINEPROFILES_REEXEC=1 exec "$PY" -m engineprofiles.cli "$ENGINE" -o "$OUT/" --yaml "${ARGS[@]}"
