@@ -46,6 +46,13 @@ install_project() {
   fi
 }
 
+# One builder per venv at a time: a second run for the same ENGINE-VERSION waits here.
+mkdir -p "$REPO/.engines"
+if command -v flock >/dev/null 2>&1; then
+  exec 9>"$REPO/.engines/.$ENGINE-$VERSION.lock"
+  flock 9
+fi
+
 if [[ -f "$MARKER" && -x "$PY" ]]; then
   log "reusing ready venv $VENV"
   install_project
@@ -58,7 +65,6 @@ if [[ -d "$VENV" ]]; then
   rm -rf -- "$VENV"
 fi
 
-mkdir -p "$REPO/.engines"
 log "creating venv $VENV with $($BASE_PYTHON --version 2>&1)"
 "$BASE_PYTHON" -m venv "$VENV" >&2
 PIP=("$PY" -m pip --disable-pip-version-check)
@@ -81,12 +87,10 @@ case "$ENGINE" in
     "$PY" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' >&2
     ;;
   sglang)
-    # TODO(sglang): fill in the SGLang install (another helper owns this branch).
-    #   See /work/shared/ENVIRONMENT.md: pip install --no-deps sglang==VERSION, the small
-    #   pure-Python deps its layer modules import, torch==2.14.1 torchvision==0.29.1,
-    #   and SGLANG_USE_CPU_ENGINE=1 at run time.
-    rm -rf -- "$VENV"
-    die 3 "TODO: sglang environment setup is not implemented yet"
+    # SGLang pins a CUDA torch and dozens of CUDA packages; scripts/_sglang_env.sh installs
+    # what its CPU layers need, with every version pinned (see that script).
+    log "installing sglang==$VERSION (CPU use; takes a few minutes)"
+    "$SCRIPT_DIR/_sglang_env.sh" "$VERSION" "$VENV"
     ;;
 esac
 

@@ -20,16 +20,17 @@ case "$ENGINE" in
   *) echo "unknown engine '$ENGINE' (vllm, sglang or transformers)" >&2; exit 2 ;;
 esac
 if [[ $# -ge 1 && "$1" != -* ]]; then VERSION=$1; shift; fi
-OUT="$REPO/out"
+OUT="out"
 ARGS=()
 for a in "$@"; do
-  if [[ "$a" == "--ship" ]]; then OUT="$REPO/profiles"; else ARGS+=("$a"); fi
+  if [[ "$a" == "--ship" ]]; then OUT="profiles"; else ARGS+=("$a"); fi
 done
+cd "$REPO"
 mkdir -p "$OUT"
 if [[ "$ENGINE" == transformers ]]; then
   PY=$("$REPO/scripts/dev_env.sh")
 else
   PY=$("$REPO/scripts/engine_env.sh" "$ENGINE" "$VERSION")
 fi
-cd "$REPO"
+export ENGINEPROFILES_COMMAND="scripts/probe.sh $ENGINE${VERSION:+ $VERSION} $*"
 ENGINEPROFILES_REEXEC=1 exec "$PY" -m engineprofiles.cli "$ENGINE" -o "$OUT/" --yaml "${ARGS[@]}"

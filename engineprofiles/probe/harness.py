@@ -10,6 +10,7 @@ input are reported as not told apart, which is not an ambiguity about rounding s
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import shlex
 import sys
@@ -264,7 +265,7 @@ def run_probe(
             probe_version=PROBE_VERSION,
             package_version=__version__,
             method=method,
-            command=command or shlex.join(["probe-engine", *sys.argv[1:]]),
+            command=command or os.environ.get("ENGINEPROFILES_COMMAND") or shlex.join(["probe-engine", *sys.argv[1:]]),
             host=f"{platform.system()} {platform.machine()}",
             seed=seed,
             duration_s=round(time.perf_counter() - t0, 2),

@@ -1,0 +1,138 @@
+"""SGLang: its own layer classes, run as its CPU engine runs them.
+
+SGLang picks each layer's implementation at call time (``BaseFusedOp`` dispatch): on a CPU with
+AMX tiles and the ``sgl_kernel`` CPU build it uses those kernels, otherwise ``forward_native``
+(eager torch). The default mode calls the layer exactly as the engine does, so the probe measures
+whichever path this host takes, and the evidence names it. ``mode="compiled"`` is the
+torch.compile backend the engine uses with ``--enable-torch-compile``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ..base import Adapter, EngineInfo, EngineNotInstalled, RegionImpl, Unavailable
+
+MODES = ("default", "compiled")
+INSTALL_HINT = "scripts/engine_env.sh sglang 0.5.23"
+
+
+def _import_sglang():
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # read once at import by sglang.srt.utils.is_cpu
+    try:
+        import sglang
+        from sglang.srt.layers import activation, layernorm, rotary_embedding  # noqa: F401
+    except ImportError as e:
+        raise EngineNotInstalled(
+            f"SGLang is not installed in this Python environment ({e}). Make its environment with "
+            f"`{INSTALL_HINT}` and run the probe there (probe-engine finds .engines/sglang-* by itself)."
+        ) from None
+    return sglang
+
+
+class SglangAdapter(Adapter):
+    name = "sglang"
+    modes = MODES
+
+    def __init__(self, mode: str = "default", dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
+        if mode not in MODES:
+            raise ValueError(f"sglang mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if device != "cpu" and os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+            os.environ["SGLANG_USE_CPU_ENGINE"] = "0"
+        self.sglang = _import_sglang()
+        self.mode, self.dtype, self.device = mode, dtype, device
+
+    def _dispatch(self) -> str:
+        try:
+            from sglang.kernels.fused_op import _platform_key
+
+            key = _platform_key()
+        except ImportError:
+            key = "?"
+        return "forward_native" if key == "" else f"forward_{key}"
+
+    def info(self) -> EngineInfo:
+        from ..harness import device_name
+
+        settings: dict[str, Any] = {
+            "SGLANG_USE_CPU_ENGINE": os.environ.get("SGLANG_USE_CPU_ENGINE", ""),
+            "dispatch": self._dispatch(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        }
+        try:
+            from sglang.srt.utils import cpu_has_amx_support
+
+            settings["cpu_has_amx_support"] = bool(cpu_has_amx_support())
+        except ImportError:
+            pass
+        return EngineInfo(
+            name="sglang", version=self.sglang.__version__,
+            backend="cuda" if self.device.startswith("cuda") else "cpu",
+            device=device_name(self.device), torch_version=torch.__version__,
+            execution_mode="eager" if self.mode == "default" else "torch-compile", settings=settings,
+        )
+
+    def regions(self) -> dict[str, RegionImpl | Unavailable]:
+        from sglang.srt.layers.activation import SiluAndMul
+        from sglang.srt.layers.layernorm import RMSNorm
+        from sglang.srt.layers.rotary_embedding import get_rope
+
+        kw: dict[str, Any] = {}
+        if self.mode == "compiled":
+            from sglang.kernels.spec import KernelBackend
+
+            kw = {"backend": KernelBackend.TORCH_COMPILE}
+        dtype, dev = self.dtype, self.device
+        norms: dict[tuple, Any] = {}
+        ropes: dict[tuple, Any] = {}
+        act = SiluAndMul()
+
+        def norm_for(hidden, eps, weight):
+            key = (hidden, eps)
+            if key not in norms:
+                # The engine builds layers with torch's default dtype set to the model dtype.
+                old = torch.get_default_dtype()
+                torch.set_default_dtype(dtype)
+                try:
+                    norms[key] = RMSNorm(hidden, eps=eps).to(dev)
+                finally:
+                    torch.set_default_dtype(old)
+            n = norms[key]
+            with torch.no_grad():
+                n.weight.copy_(weight)
+            return n
+
+        def rmsnorm(x, weight, eps):
+            with torch.no_grad():
+                return norm_for(x.shape[-1], eps, weight)(x, **kw)
+
+        def add_rmsnorm(x, residual, weight, eps):
+            with torch.no_grad():
+                out, res = norm_for(x.shape[-1], eps, weight)(x, residual, **kw)
+            return out, res
+
+        def swiglu(gate, up):
+            with torch.no_grad():
+                return act(torch.cat((gate, up), dim=-1), **kw)
+
+        def rope(positions, q, k, *, base, style):
+            t, hq, d = q.shape
+            hk = k.shape[1]
+            key = (d, base, style)
+            if key not in ropes:
+                ropes[key] = get_rope(d, d, 1 << 17, int(base) if float(base).is_integer() else base,
+                                      is_neox_style=style == "neox", dtype=dtype).to(dev)
+            with torch.no_grad():
+                qo, ko = ropes[key](positions, q.reshape(t, hq * d), k.reshape(t, hk * d), **kw)
+            return qo.reshape(t, hq, d), ko.reshape(t, hk, d)
+
+        how = f"{self._dispatch()}, engine dispatch" if self.mode == "default" else "torch.compile backend"
+        return {
+            "rope": RegionImpl(rope, f"sglang get_rope RotaryEmbedding ({how})"),
+            "swiglu": RegionImpl(swiglu, f"sglang SiluAndMul ({how})"),
+            "add_rmsnorm": RegionImpl(add_rmsnorm, f"sglang RMSNorm with residual ({how})"),
+            "rmsnorm": RegionImpl(rmsnorm, f"sglang RMSNorm ({how})"),
+        }
