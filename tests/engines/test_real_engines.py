@@ -1,0 +1,77 @@
+"""The real engines, probed in their own environments, agree with the shipped profiles.
+
+These tests need the environments made by scripts/engine_env.sh (scripts/test.sh makes them).
+A missing environment is a failure, never a skip: the shipped profiles claim what these engines
+do, and CI checks that claim on every run.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engineprofiles.diff import diff_profiles
+from engineprofiles.schema import load_profile
+from engineprofiles.store import get_profile, shipped_profiles
+
+REPO = Path(__file__).resolve().parents[2]
+REAL = [
+    ("vllm", "0.32.0", "vllm-0.32.0-cpu-inductor-bfloat16"),
+    ("sglang", "0.5.23", "sglang-0.5.23-cpu-eager-bfloat16"),
+]
+
+
+def _probe(python: Path, engine: str, out: Path, *args: str) -> Profile:  # noqa: F821
+    env = dict(os.environ, ENGINEPROFILES_REEXEC="1")
+    r = subprocess.run(
+        [str(python), "-m", "engineprofiles.cli", engine, "-o", str(out), *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )
+    sys.stdout.write(r.stdout[-6000:])
+    assert r.returncode == 0, f"probe-engine {engine} failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
+    return load_profile(out)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("engine,version,shipped", REAL, ids=[e for e, _, _ in REAL])
+def test_real_engine_probe_agrees_with_the_shipped_profile(engine, version, shipped, tmp_path):
+    python = REPO / ".engines" / f"{engine}-{version}" / "bin" / "python"
+    if not (python.exists() and (python.parent.parent / ".ready").exists()):
+        pytest.fail(
+            f"the {engine} {version} environment is missing: run `scripts/engine_env.sh {engine} {version}` "
+            "(scripts/test.sh does this). Engine tests are not skipped.",
+            pytrace=False,
+        )
+    new = _probe(python, engine, tmp_path / "probed.yaml")
+    old = get_profile(shipped)
+    d = diff_profiles(old, new, shipped, "probed now")
+    print(d.to_markdown())
+    assert d.exit_code == 0, f"{engine} {version} rounds differently from the shipped profile:\n{d.to_markdown()}"
+    for region in ("rope", "swiglu", "add_rmsnorm", "rmsnorm"):
+        ev = new.entry(region).evidence
+        assert not (ev.ambiguous or ev.shape_dependent or ev.nondeterministic), (region, ev)
+        assert ev.match_rate == old.entry(region).evidence.match_rate, region
+    assert new.engine.version == version
+
+
+def test_transformers_probe_agrees_with_the_shipped_trainer_profile(tmp_path):
+    import transformers
+
+    shipped = f"transformers-{transformers.__version__}-cpu-eager-bfloat16"
+    new = _probe(Path(sys.executable), "transformers", tmp_path / "t.yaml")
+    d = diff_profiles(get_profile(shipped), new, shipped, "probed now")
+    assert d.exit_code == 0, d.to_markdown()
+
+
+def test_every_shipped_profile_is_valid_and_came_from_a_probe_run():
+    profiles = shipped_profiles()
+    names = {n for n, _ in profiles}
+    for _, _, shipped in REAL:
+        assert shipped in names
+    for name, p in profiles:
+        assert name == p.canonical_name, f"{name}.yaml holds {p.canonical_name}"
+        assert p.provenance.command.startswith("scripts/probe.sh "), (name, p.provenance.command)
+        assert p.provenance.method in ("op-level", "in-situ")
+        assert (REPO / "profiles" / f"{name}.yaml").read_text() == p.to_yaml()  # written by the tool
