@@ -1,0 +1,310 @@
+"""The emulator's public API: the three regions at the rounding sites of a profile, with autograd.
+
+Each function takes ``profile``: a :class:`~engineprofiles.schema.Profile`, the path of a profile
+YAML, the name of a shipped profile, or (for tests and experiments) a lattice
+:class:`~engineprofiles.regions.Point` of the right region. The forward computes the region
+exactly at the profile's point; the backward is the gradient of the FP32 function with every
+rounding treated as identity (straight-through), computed in FP32.
+
+Backends (which implementation runs):
+
+``auto`` (default)
+    CUDA tensors use the Triton kernels; tensors on other devices use ``reference``.
+``triton``
+    The Triton kernels. On CPU they run only through the Triton interpreter: set
+    ``TRITON_INTERPRET=1`` before ``emulator`` is first imported (slow; for tests).
+``reference``
+    The torch references of :mod:`engineprofiles.regions` with ``math="torch"``: exp, sigmoid,
+    silu, rsqrt and the mean are torch's own ops on the tensor's device. On CPU this is what HF
+    transformers and torch-based engines compute, so it is the CPU default.
+``reference-portable``
+    The references with ``math="portable"`` (see :mod:`engineprofiles.portable`): a fixed
+    sequence of correctly rounded FP32 operations. The Triton kernels implement exactly this, so
+    this backend and ``triton`` agree bit for bit, forward and backward, on any device.
+
+What separates ``reference`` from the kernels on CPU is only the residual between torch's
+transcendentals and reductions and the portable ones (a few FP32 ulps before the final
+rounding; ``tests/emulator/test_functional.py`` measures and prints it). RoPE has no
+transcendentals, so all backends agree on it bit for bit.
+
+Choose the backend with the ``EMULATOR_BACKEND`` environment variable (read at each call) or
+with the :func:`use_backend` context manager, which wins over the variable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math as _math
+import os
+from pathlib import Path
+from typing import Iterator, Union
+
+import torch
+
+from engineprofiles.regions import STYLES, Point
+from engineprofiles.rounding import ACT_DTYPES
+from engineprofiles.schema import Profile, load_profile
+from engineprofiles.store import resolve
+
+from .errors import BackendError, InputError, ProfileMismatch, RegionUnavailable
+from .ops import _utils
+from .ops.rmsnorm import AddRMSNormFunction, RMSNormFunction
+from .ops.rope import RoPEFunction, _rope_fwd_kernel
+from .ops.swiglu import SwiGLUFunction
+
+ProfileLike = Union[Profile, str, os.PathLike, Point]
+
+BACKENDS = ("auto", "triton", "reference", "reference-portable")
+ENV_VAR = "EMULATOR_BACKEND"
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("emulator_backend", default=None)
+
+__all__ = ["rope", "swiglu", "rmsnorm", "add_rmsnorm", "use_backend", "current_backend", "BACKENDS", "ENV_VAR"]
+
+
+# -- backend choice -------------------------------------------------------------------------------
+
+
+def _check_backend_name(name: str, where: str) -> str:
+    if name not in BACKENDS:
+        raise BackendError(f"unknown emulator backend {name!r} ({where}); choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Run the emulator's functions in this block with backend ``name`` (see the module doc)."""
+    token = _override.set(_check_backend_name(name, "use_backend"))
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def current_backend() -> str:
+    """The backend requested now: use_backend's, else $EMULATOR_BACKEND, else ``auto``."""
+    name = _override.get()
+    if name is not None:
+        return name
+    return _check_backend_name(os.environ.get(ENV_VAR) or "auto", f"${ENV_VAR}")
+
+
+def _backend_for(device: torch.device) -> str:
+    name = current_backend()
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    if name == "triton" and device.type != "cuda" and not _utils.interpreted(_rope_fwd_kernel):
+        raise BackendError(
+            f"the triton backend was requested for {device.type} tensors, but the emulator's Triton kernels "
+            "were compiled for GPUs: to run them on CPU through the Triton interpreter, set TRITON_INTERPRET=1 "
+            "in the environment before emulator is first imported (e.g. TRITON_INTERPRET=1 EMULATOR_BACKEND=triton "
+            "python ...); or use backend 'reference-portable', which computes the same bits in torch"
+        )
+    return name
+
+
+# -- profiles -------------------------------------------------------------------------------------
+
+_loaded: dict[tuple[str, int], Profile] = {}
+
+
+def _profile(profile: Profile | str | os.PathLike) -> Profile:
+    if isinstance(profile, Profile):
+        return profile
+    path = resolve(profile)
+    key = (str(Path(path).resolve()), path.stat().st_mtime_ns)
+    if key not in _loaded:
+        _loaded[key] = load_profile(path)
+    return _loaded[key]
+
+
+def _point_and_dtype(
+    profile: ProfileLike, region: str, op: str, t: torch.Tensor, dtype: torch.dtype | None
+) -> tuple[Point, torch.dtype]:
+    """The lattice point for ``region`` and the activation dtype the call rounds to."""
+    act_dtypes = tuple(ACT_DTYPES.values())
+    if dtype is not None and dtype not in act_dtypes:
+        raise InputError(f"{op}: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    if isinstance(profile, Point):
+        if profile.region != region:
+            raise ProfileMismatch(f"{op} needs a point of region {region!r}, got a point of region {profile.region!r}")
+        act = dtype if dtype is not None else t.dtype
+        if act not in act_dtypes:
+            raise InputError(
+                f"{op}: input dtype {t.dtype} is not an activation dtype; pass dtype=torch.bfloat16 or "
+                "torch.float16 to say which dtype the sites round to"
+            )
+        return profile, act
+    prof = _profile(profile)
+    name = prof.canonical_name
+    if not prof.available(region):
+        reason = prof.entry(region).evidence.reason
+        raise RegionUnavailable(
+            f"profile {name} records region {region} as unavailable ({reason}), so it does not say how to round "
+            f"in {op}; use a profile in which {region} was measured, or leave this region unpatched"
+        )
+    act = ACT_DTYPES[prof.dtype]
+    if dtype is not None and dtype != act:
+        raise ProfileMismatch(f"{op}: dtype={dtype} was given, but profile {name} was measured in {prof.dtype}")
+    if t.dtype in act_dtypes and t.dtype != act:
+        raise ProfileMismatch(
+            f"{op}: the input is {t.dtype}, but profile {name} was measured in {prof.dtype}; "
+            "run the model in the profile's dtype or probe the engine in this one"
+        )
+    return prof.point(region), act
+
+
+# -- input checks ---------------------------------------------------------------------------------
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_float(op: str, **tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1:
+        raise InputError(f"{op}: all tensors must be on one device, got {', '.join(f'{k} on {t.device}' for k, t in tensors.items())}")
+    for k, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{op}: {k} must be a tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOATS:
+            raise InputError(f"{op}: {k} must be float32, bfloat16 or float16, got {t.dtype}")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[*lead, N] -> [M, N] with unit column stride (a view when possible)."""
+    n = x.shape[-1]
+    x2 = x.reshape(_math.prod(x.shape[:-1]), n)
+    return x2 if x2.stride(-1) == 1 or n <= 1 else x2.contiguous()
+
+
+# -- the regions ----------------------------------------------------------------------------------
+
+
+def rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    profile: ProfileLike,
+    *,
+    style: str = "neox",
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Rotary embedding of q or k at the profile's RoPE point.
+
+    x: [*lead, heads, head_dim] in the activation dtype (or FP32, handed on by an FP32 q/k norm;
+    then the profile or ``dtype`` names the activation dtype). cos/sin: FP32 [*lead, rot/2] (lead
+    dims may broadcast), or [*lead, 1 or heads, rot/2]; lanes past ``rot`` pass through.
+    ``style``: "neox" (rotate halves) or "interleaved" (rotate even/odd pairs). Returns the
+    activation dtype, shaped like x. Gradients flow to x only.
+    """
+    op = "rope"
+    if style not in STYLES:
+        raise InputError(f"rope: style must be one of {', '.join(STYLES)}, got {style!r}")
+    _check_float(op, x=x, cos=cos, sin=sin)
+    if x.dim() < 2:
+        raise InputError(f"rope: x must be [*lead, heads, head_dim], got shape {tuple(x.shape)}")
+    if cos.shape != sin.shape:
+        raise InputError(f"rope: cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    *lead, heads, head_dim = x.shape
+    half = cos.shape[-1]
+    if 2 * half > head_dim or half == 0:
+        raise InputError(f"rope: cos/sin cover {2 * half} lanes, but head_dim is {head_dim}")
+    point, act = _point_and_dtype(profile, "rope", op, x, dtype)
+    if cos.dim() == x.dim() - 1:
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if cos.dim() != x.dim() or cos.shape[-2] not in (1, heads):
+        raise InputError(
+            f"rope: cos/sin must be [*lead, rot/2] or [*lead, 1 or heads, rot/2] for x of shape {tuple(x.shape)}, "
+            f"got {tuple(cos.shape)}"
+        )
+    hc = cos.shape[-2]
+    try:
+        cos = cos.expand(*lead, hc, half)
+        sin = sin.expand(*lead, hc, half)
+    except RuntimeError:
+        raise InputError(f"rope: cos/sin of shape {tuple(cos.shape)} do not broadcast to x's lead dims {tuple(lead)}") from None
+    t = _math.prod(lead)
+    x3 = x.reshape(t, heads, head_dim)
+    cs3 = _rows_last(cos.float().reshape(t, hc, half))
+    sn3 = _rows_last(sin.float().reshape(t, hc, half))
+    y = RoPEFunction.apply(x3, cs3, sn3, point, style, act, _backend_for(x.device))
+    return y.reshape(x.shape)
+
+
+def _rows_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, profile: ProfileLike) -> torch.Tensor:
+    """silu(gate) * up at the profile's SwiGLU point; gate and up in the activation dtype, same
+    shape (any leading shape, any strides, e.g. the two halves of a fused gate_up output).
+    Gradients flow to gate and up."""
+    op = "swiglu"
+    _check_float(op, gate=gate, up=up)
+    if gate.shape != up.shape:
+        raise InputError(f"swiglu: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if gate.dtype != up.dtype or gate.dtype not in ACT_DTYPES.values():
+        raise InputError(f"swiglu: gate and up must both be bfloat16 or both float16, got {gate.dtype} and {up.dtype}")
+    if gate.dim() == 0:
+        raise InputError("swiglu: gate and up must have at least one dim")
+    point, act = _point_and_dtype(profile, "swiglu", op, gate, None)
+    n = gate.shape[-1]
+    m = _math.prod(gate.shape[:-1])
+    y = SwiGLUFunction.apply(gate.reshape(m, n), up.reshape(m, n), point, act, _backend_for(gate.device))
+    return y.reshape(gate.shape)
+
+
+def _check_norm(op: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    if x.dim() == 0:
+        raise InputError(f"{op}: x must be [*lead, hidden], got a scalar")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise InputError(f"{op}: weight must have shape [{x.shape[-1]}], got {tuple(weight.shape)}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+        raise InputError(f"{op}: eps must be a non-negative float, got {eps!r}")
+
+
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, profile: ProfileLike, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """RMSNorm without a residual add at the profile's ``rmsnorm`` point.
+
+    x: [*lead, hidden] in the activation dtype (or FP32 with ``dtype``); weight: [hidden], any
+    float dtype. Returns the activation dtype, or FP32 when the profile's ``output`` site is fp32
+    (the value is handed on unrounded to a fused next region, e.g. a q/k norm into RoPE).
+    Gradients flow to x and weight.
+    """
+    op = "rmsnorm"
+    _check_float(op, x=x, weight=weight)
+    _check_norm(op, x, weight, eps)
+    point, act = _point_and_dtype(profile, "rmsnorm", op, x, dtype)
+    y = RMSNormFunction.apply(_rows(x), weight.contiguous(), float(eps), point, act, _backend_for(x.device))
+    return y.reshape(x.shape)
+
+
+def add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    profile: ProfileLike,
+    *,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add fused into RMSNorm at the profile's ``add_rmsnorm`` point.
+
+    s = x + residual (FP32); returns (output, residual passed on). x: [*lead, hidden] in the
+    activation dtype; residual: same shape, activation dtype or FP32 (an FP32 residual stream);
+    weight: [hidden]. The output is in the activation dtype; the residual passed on is in the
+    activation dtype or FP32, as the profile's ``residual_out`` site says. Gradients flow to x,
+    residual and weight (d x = d residual = the gradient of s).
+    """
+    op = "add_rmsnorm"
+    _check_float(op, x=x, residual=residual, weight=weight)
+    _check_norm(op, x, weight, eps)
+    if residual.shape != x.shape:
+        raise InputError(f"add_rmsnorm: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    point, act = _point_and_dtype(profile, "add_rmsnorm", op, x, dtype)
+    out, res = AddRMSNormFunction.apply(
+        _rows(x), _rows(residual), weight.contiguous(), float(eps), point, act, _backend_for(x.device)
+    )
+    return out.reshape(x.shape), res.reshape(x.shape)

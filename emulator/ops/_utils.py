@@ -1,0 +1,114 @@
+"""Host-side helpers shared by the ops: how tensors are handed to kernels, launch options, and the
+torch mirror of the kernels' fixed-order reductions."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from engineprofiles import portable
+from engineprofiles.rounding import act_dtype, round_to
+
+# Kernels are compiled with multiply-add contraction off, so a*b + c is two roundings on every
+# backend, as in the references (the option is `enable_fp_fusion`, triton >= 3.0; the interpreter
+# ignores it and never contracts).
+LAUNCH = {"enable_fp_fusion": False}
+
+LANES = portable.REDUCE_LANES
+LOG2_LANES = LANES.bit_length() - 1
+assert 1 << LOG2_LANES == LANES
+
+KIND_FP32, KIND_BF16, KIND_FP16 = 0, 1, 2
+_KINDS = {torch.float32: KIND_FP32, torch.bfloat16: KIND_BF16, torch.float16: KIND_FP16}
+
+
+def kind(t: torch.Tensor | torch.dtype) -> int:
+    """The KIND constexpr of a tensor (or dtype): how kernels load and store it."""
+    dt = t if isinstance(t, torch.dtype) else t.dtype
+    try:
+        return _KINDS[dt]
+    except KeyError:
+        raise TypeError(f"kernels take float32, bfloat16 or float16 tensors, got {dt}") from None
+
+
+def kview(t: torch.Tensor) -> torch.Tensor:
+    """The tensor as a kernel sees it: BF16 as int16 bits (see _rne.load), others unchanged."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def is_fp16(act: torch.dtype) -> bool:
+    return act_dtype(act) == torch.float16
+
+
+def interpreted(kernel: object) -> bool:
+    """Whether a @triton.jit kernel runs in the Triton interpreter (TRITON_INTERPRET=1 was set
+    when it was defined, i.e. when emulator.ops was first imported)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+def rows(x: torch.Tensor) -> torch.Tensor:
+    """[*lead, N] -> [M, N], a view when the lead dims can be merged, else a copy."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def cast_like(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An FP32 result in ``dtype``, rounded to nearest even (what kernels' round_store does)."""
+    if dtype == torch.float32:
+        return y
+    return round_to(y, dtype).to(dtype)
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+# -- torch mirrors of the kernels' reductions ---------------------------------------------------
+
+
+def lane_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim in the kernels' order (portable.mean_of_squares' lanes, then its
+    pairwise tree); keeps the dim with size 1."""
+    n = t.shape[-1]
+    pad = (-n) % LANES
+    if pad:
+        t = torch.nn.functional.pad(t, (0, pad))
+    chunks = t.reshape(*t.shape[:-1], (n + pad) // LANES, LANES)
+    # The lanes start at +0, as in the kernels (for sums of squares, never -0, this is
+    # portable.mean_of_squares' acc = chunk 0 exactly).
+    acc = torch.zeros_like(chunks[..., 0, :])
+    for k in range(chunks.shape[-2]):
+        acc = acc + chunks[..., k, :]
+    while acc.shape[-1] > 1:
+        acc = acc[..., 0::2] + acc[..., 1::2]
+    return acc
+
+
+# Weight gradients are summed over rows in a fixed order that depends on the number of rows only
+# (never on the device): rows are cut into P contiguous groups of G rows; each group is summed in
+# row order (one program per group and column block, no atomics), then the P group sums in order.
+MAX_GROUPS = 256
+
+
+def row_groups(m: int) -> tuple[int, int]:
+    """(rows per group G, number of groups P) for ``m`` rows."""
+    g = max(1, triton.cdiv(m, MAX_GROUPS))
+    return g, triton.cdiv(m, g)
+
+
+def grouped_row_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum [M, N] over rows in the order of :func:`row_groups` (the kernels' order)."""
+    m, n = t.shape
+    g, p = row_groups(m)
+    pad = p * g - m
+    if pad:
+        t = torch.nn.functional.pad(t, (0, 0, 0, pad))
+    t3 = t.reshape(p, g, n)
+    acc = torch.zeros(p, n, dtype=t.dtype, device=t.device)
+    for i in range(g):
+        acc = acc + t3[:, i]
+    total = torch.zeros(n, dtype=t.dtype, device=t.device)
+    for j in range(p):
+        total = total + acc[j]
+    return total
