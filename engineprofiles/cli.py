@@ -152,8 +152,17 @@ def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str
         def progress(msg: str) -> None:
             err.print(f"  [{time.perf_counter() - t0:6.1f}s] {msg}", highlight=False)
 
-        profile, _ = run_probe(adapter, dtype=dtype, device=device, seed=seed, quick=quick, regions=region,
-                               progress=progress)
+        load_s = time.perf_counter() - t0
+        profile, results = run_probe(adapter, dtype=dtype, device=device, seed=seed, quick=quick, regions=region,
+                                     progress=progress)
+        timings = {"load": round(load_s, 2), **{n: round(r.seconds, 2) for n, r in results.items()},
+                   "total": round(time.perf_counter() - t0, 2)}
+        err.print("timings (s): " + ", ".join(f"{k} {v}" for k, v in timings.items()), highlight=False)
+        if os.environ.get("ENGINEPROFILES_TIMINGS"):
+            import json
+
+            with open(os.environ["ENGINEPROFILES_TIMINGS"], "w") as f:
+                json.dump(timings, f)
     except EngineProfilesError as e:
         _fail(e)
     render.show(profile, out)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engineprofiles.diff import diff_profiles
-from engineprofiles.schema import load_profile
+from engineprofiles.schema import Profile, load_profile
 from engineprofiles.store import get_profile, shipped_profiles
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ REAL = [
 ]
 
 
-def _probe(python: Path, engine: str, out: Path, *args: str) -> Profile:  # noqa: F821
+def _probe(python: Path, engine: str, out: Path, *args: str) -> Profile:
     env = dict(os.environ, ENGINEPROFILES_REEXEC="1")
     r = subprocess.run(
         [str(python), "-m", "engineprofiles.cli", engine, "-o", str(out), *args],
