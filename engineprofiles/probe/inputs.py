@@ -47,12 +47,14 @@ SWEEP: dict[str, list[dict[str, Any]]] = {
         dict(tokens=64, hidden=896),
         dict(tokens=7, hidden=1000),
         dict(tokens=32, hidden=2048),
+        dict(tokens=8, hidden=896, tuned=True),
     ],
     "add_rmsnorm": [
         dict(tokens=1, hidden=896),
         dict(tokens=64, hidden=896),
         dict(tokens=7, hidden=1000),
         dict(tokens=32, hidden=2048),
+        dict(tokens=8, hidden=896, tuned=True),
     ],
 }
 
@@ -74,6 +76,19 @@ def _act(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _with_outliers(x: torch.Tensor, g: torch.Generator, frac: float, scale: float) -> torch.Tensor:
     mask = torch.rand(x.shape, generator=g) < frac
     return torch.where(mask, x * scale, x)
+
+
+def _tune_weight_to_ties(n: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per column, the activation-dtype weight in [1, 2) that puts n * w closest to a rounding
+    midpoint of ``dtype``. A one-ULP change anywhere upstream of the weight multiply (how the
+    variance, the rsqrt or the sum was formed) then flips the rounded output in many columns."""
+    mant = 7 if dtype == torch.bfloat16 else 10
+    grid = 1.0 + torch.arange(1 << mant, dtype=torch.float32) / (1 << mant)  # exact in dtype
+    prods = n.unsqueeze(-1) * grid  # [hidden, candidates]
+    low = prods.view(torch.int32) & ((1 << (23 - mant)) - 1)
+    dist = (low - (1 << (22 - mant))).abs()  # distance of the dropped bits from a tie
+    dist = torch.where(prods.abs() > 1e-30, dist, torch.full_like(dist, 1 << 30))
+    return grid[dist.argmin(-1)]
 
 
 def make_inputs(case: Case, dtype: torch.dtype, seed: int) -> dict[str, Any]:
@@ -98,6 +113,28 @@ def make_inputs(case: Case, dtype: torch.dtype, seed: int) -> dict[str, Any]:
     x = _with_outliers(torch.randn(shape, generator=g), g, 0.01, 30)
     w = _act(1 + 0.1 * torch.randn(s["hidden"], generator=g), dtype)
     w[:2] = torch.tensor([4.0, 0.03125])  # a couple of unusual weights, as real checkpoints have
+    if s.get("tuned"):
+        # Rows that stress the normalization, and weights tuned to rounding ties for row 0.
+        x = _act(x, dtype)
+        if case.region == "add_rmsnorm":
+            res = _act(_with_outliers(torch.randn(shape, generator=g) * 8, g, 0.01, 40), dtype)
+            base = x.float() + res.float()
+        else:
+            res, base = None, x.float()
+        # Row 0 is redrawn until the usual ways of forming 1/sqrt(var) disagree in FP32 on this
+        # device, so that formula variants of the normalization become visible.
+        for _ in range(256):
+            v = base[0].pow(2).mean() + eps
+            if bool(torch.rsqrt(v) != 1.0 / torch.sqrt(v)):
+                break
+            row = _act(torch.randn(shape[-1], generator=g), dtype)
+            x[0] = row
+            base = x.float() + res.float() if res is not None else x.float()
+        n0 = base[0] * torch.rsqrt(base[0].pow(2).mean() + eps)
+        w = _tune_weight_to_ties(n0, dtype).to(dtype)
+        if res is None:
+            return dict(x=x, weight=w, eps=eps)
+        return dict(x=x, residual=res, weight=w, eps=eps)
     if case.region == "rmsnorm":
         return dict(x=_act(x, dtype), weight=w, eps=eps)
     res = _with_outliers(torch.randn(shape, generator=g) * 8, g, 0.01, 40)
