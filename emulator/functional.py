@@ -192,8 +192,9 @@ def rope(
     """Rotary embedding of q or k at the profile's RoPE point.
 
     x: [*lead, heads, head_dim] in the activation dtype (or FP32, handed on by an FP32 q/k norm;
-    then the profile or ``dtype`` names the activation dtype). cos/sin: FP32 [*lead, rot/2] (lead
-    dims may broadcast), or [*lead, 1 or heads, rot/2]; lanes past ``rot`` pass through.
+    then the profile or ``dtype`` names the activation dtype). cos/sin: FP32 [*lead, rot/2], lead
+    dims broadcasting from the right (e.g. [seq, rot/2] for x [batch, seq, heads, head_dim]), or
+    with a heads axis, [*lead, 1 or heads, rot/2]; lanes past ``rot`` pass through.
     ``style``: "neox" (rotate halves) or "interleaved" (rotate even/odd pairs). Returns the
     activation dtype, shaped like x. Gradients flow to x only.
     """
@@ -210,8 +211,10 @@ def rope(
     if 2 * half > head_dim or half == 0:
         raise InputError(f"rope: cos/sin cover {2 * half} lanes, but head_dim is {head_dim}")
     point, act = _point_and_dtype(profile, "rope", op, x, dtype)
-    if cos.dim() == x.dim() - 1:
+    if cos.dim() < x.dim():  # [*lead, rot/2], lead dims broadcast from the right: add the heads axis
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        ones = (1,) * (x.dim() - cos.dim())
+        cos, sin = cos.reshape(*ones, *cos.shape), sin.reshape(*ones, *sin.shape)
     if cos.dim() != x.dim() or cos.shape[-2] not in (1, heads):
         raise InputError(
             f"rope: cos/sin must be [*lead, rot/2] or [*lead, 1 or heads, rot/2] for x of shape {tuple(x.shape)}, "

@@ -41,6 +41,9 @@ def exp(x):
     nan = x != x
     xs = tl.where(nan, 0.0, x)
     xs = tl.minimum(tl.maximum(xs, EXP_MIN), EXP_MAX)
+    # tl.floor compiles to cvt.rmi.ftz.f32 on NVIDIA GPUs (subnormals flushed): harmless here,
+    # as neither argument of a floor can be subnormal: xs*LOG2E + 0.5 is 0.5, or a multiple of
+    # 2**-26 (an FP32 value near -0.5 plus 0.5), or large; n*0.5 is a multiple of 0.5.
     n = tl.floor(xs * LOG2E + 0.5)
     r = (xs - n * LN2_HI) - n * LN2_LO
     p = tl.full(r.shape, C7, tl.float32)

@@ -40,6 +40,16 @@ def is_fp16(act: torch.dtype) -> bool:
     return act_dtype(act) == torch.float16
 
 
+# Tile sizes are chosen for the device a launch runs on: a GPU, or the interpreter (where every
+# operation costs ~0.1 ms of Python, so tiles are as large as fit). Tiles never change a bit of
+# any result. tests/emulator/ptx_check.py sets this to compile the GPU configuration on a CPU.
+FORCE_GPU_TILES = False
+
+
+def gpu_tiles(t: torch.Tensor) -> bool:
+    return t.is_cuda or FORCE_GPU_TILES
+
+
 def interpreted(kernel: object) -> bool:
     """Whether a @triton.jit kernel runs in the Triton interpreter (TRITON_INTERPRET=1 was set
     when it was defined, i.e. when emulator.ops was first imported)."""

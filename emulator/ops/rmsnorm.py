@@ -29,7 +29,9 @@ from engineprofiles import portable
 from engineprofiles.regions import ROUNDED, Point, add_rmsnorm_ref, rmsnorm_ref
 
 from . import _portable, _rne
-from ._utils import LANES, LAUNCH, LOG2_LANES, cast_like, grouped_row_sum, is_fp16, kind, kview, lane_sum, next_pow2, row_groups
+from ._utils import (
+    LANES, LAUNCH, LOG2_LANES, cast_like, gpu_tiles, grouped_row_sum, is_fp16, kind, kview, lane_sum, next_pow2, row_groups,
+)
 
 RSTD_MODES = {"rsqrt": 0, "reciprocal_sqrt": 1, "divide": 2}
 
@@ -194,7 +196,7 @@ def _tiles(x2: torch.Tensor, m: int, n: int) -> dict[str, int]:
     result (each row's order is fixed by LANES alone). A GPU gets tiles of 2048 elements; the
     interpreter, where every operation costs ~0.1 ms of Python, the largest tiles that fit."""
     chunks = triton.cdiv(max(n, 1), LANES)
-    if x2.is_cuda:
+    if gpu_tiles(x2):
         u = min(next_pow2(chunks), 8)
         bm = max(1, min(next_pow2(m), 2048 // (u * LANES)))
     else:
@@ -266,7 +268,7 @@ def rmsnorm_bwd(x2, r2, weight, eps: float, dy2, dro2) -> tuple[torch.Tensor, to
     )
     g, p = row_groups(m)
     # Tiles: BLOCK_G groups x BLOCK_N columns; neither changes a bit (see row_groups).
-    if x2.is_cuda:
+    if gpu_tiles(x2):
         bn, bg = min(next_pow2(n), 1024), 1
     else:
         bn = min(next_pow2(n), 1 << 14)

@@ -18,7 +18,7 @@ import triton.language as tl
 from engineprofiles.regions import ROUNDED, Point, rope_ref
 
 from . import _rne
-from ._utils import LAUNCH, cast_like, is_fp16, kind, kview, next_pow2
+from ._utils import LAUNCH, cast_like, gpu_tiles, is_fp16, kind, kview, next_pow2
 
 FMA_MODES = {"none": 0, "cos": 1, "sin": 2}
 
@@ -148,7 +148,7 @@ def _blocks(x3: torch.Tensor, t: int, h: int, half: int, d: int) -> dict[str, in
     bh, bhalf = next_pow2(h), next_pow2(half)
     # Tokens per program: a tile of about 4096 rotary pairs on a GPU; in the interpreter, where
     # each program costs milliseconds of Python, as many as fit in 2**16 elements.
-    target = 4096 if x3.is_cuda else 1 << 16
+    target = 4096 if gpu_tiles(x3) else 1 << 16
     bt = max(1, min(next_pow2(t), target // (bh * bhalf)))
     return {
         "BLOCK_T": bt,

@@ -21,7 +21,7 @@ from engineprofiles import portable
 from engineprofiles.regions import ROUNDED, Point, swiglu_ref
 
 from . import _portable, _rne
-from ._utils import LAUNCH, cast_like, is_fp16, kind, kview, next_pow2
+from ._utils import LAUNCH, cast_like, gpu_tiles, is_fp16, kind, kview, next_pow2
 
 SILU_FORMULAS = {"fused": 0, "x_sigmoid": 1, "x_div_1p_exp": 2}
 
@@ -76,7 +76,7 @@ def _swiglu_bwd_kernel(
 
 
 def _grid(x2: torch.Tensor, m: int, n: int) -> tuple[tuple[int, int], dict[str, int]]:
-    if x2.is_cuda:
+    if gpu_tiles(x2):
         bn = min(next_pow2(n), 1024)
         bm = max(1, 2048 // bn)
     else:  # interpreter: few, large programs
