@@ -104,6 +104,47 @@ def diff(
     raise typer.Exit(d.exit_code)
 
 
+@app.command()
+def mismatch(
+    engine: str = typer.Argument("vllm", help="engine that samples: vllm"),
+    family: str = typer.Option("qwen2", help="tiny model family: qwen2, qwen3, llama"),
+    profile: Optional[str] = typer.Option(None, help="profile to apply (default: the shipped one of the engine)"),
+    prompts: int = typer.Option(4, help="number of prompts"),
+    max_tokens: int = typer.Option(16, help="tokens sampled per prompt"),
+    seed: int = typer.Option(0, help="seed of the model weights, prompts and sampling"),
+    env: Optional[str] = typer.Option(None, help="engine environment (venv, python or version)"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="also write the numbers as JSON"),
+    plot: Optional[str] = typer.Option(None, help="also draw the table as a PNG (needs matplotlib)"),
+    capture: Optional[str] = typer.Option(None, help="reuse a capture file instead of running the engine"),
+) -> None:
+    """Sample with the real engine on a tiny local model, recompute the log-probs in the HF trainer
+    as-is, with the profile, and with each region of the profile alone; print the mismatch metrics
+    (exact-match fraction first)."""
+    import json
+    import time
+
+    from .insitu.mismatch import run_mismatch
+
+    if engine != "vllm":
+        _fail(EngineProfilesError(f"mismatch runs vllm only; {engine!r}: SGLang's CPU engine needs a stub sgl_kernel to start (see docs/mismatch.md)"))
+    t0 = time.perf_counter()
+    try:
+        rep = run_mismatch(engine, family=family, profile=profile, prompts=prompts, max_tokens=max_tokens, seed=seed,
+                           env=env, capture_file=capture,
+                           note=lambda m: err.print(f"  [{time.perf_counter() - t0:6.1f}s] {m}", highlight=False))
+    except EngineProfilesError as e:
+        _fail(e)
+    out.print(render.mismatch_table(rep))
+    if json_out:
+        from .schema import write_atomic
+
+        write_atomic(Path(json_out), json.dumps(rep.as_dict(), indent=2))
+        err.print(f"wrote {json_out}")
+    if plot:
+        render.mismatch_plot(rep, plot)
+        err.print(f"wrote {plot}")
+
+
 ENGINE_HELP = {
     "vllm": "Probe vLLM's layers as the engine runs them by default on this device (its CPU build "
     "compiles the model with Inductor); --mode eager probes the enforce_eager path.",

@@ -122,3 +122,49 @@ def diff_table(d) -> Group:
     parts.append(Text("all rounding sites agree" if n == 0 else f"{n} rounding site(s) differ",
                       style="green" if n == 0 else "red bold"))
     return Group(*parts)
+
+
+def mismatch_table(rep) -> Group:
+    e = rep.engine
+    head = Text()
+    head.append(f"{e['name']} {e['version']} ({e.get('compilation_mode', '')}) vs HF transformers, family {rep.family}\n",
+                style="bold")
+    head.append(f"profile applied: {rep.profile_name}; trainer's own: {rep.trainer_profile_name}\n")
+    for w in rep.warnings:
+        head.append(f"warning: {w}\n", style="red bold")
+    parts: list = [head]
+    for title, rows in (("sampled tokens (engine decode log-probs)", rep.rows),
+                        ("every token re-scored in one prefill (engine prompt log-probs)", rep.prefill_rows)):
+        t = Table(title=title)
+        for col in ("trainer", "exact", "k3 KL", "|dp| max", "|dp| mean", "|dlogp| mean", "|dlogp| max", "PPL ratio"):
+            t.add_column(col, no_wrap=col != "trainer")
+        for name, m in rows:
+            t.add_row(name, f"{100 * m.exact_match:.1f}%", f"{m.k3_kl:.1e}", f"{m.abs_dp_max:.1e}", f"{m.abs_dp_mean:.1e}",
+                      f"{m.abs_dlogp_mean:.1e}", f"{m.abs_dlogp_max:.1e}", f"{m.ppl_ratio:.5f}")
+        parts.append(t)
+    n = rep.rows[0][1].tokens if rep.rows else 0
+    parts.append(Text(f"{n} sampled tokens"))
+    return Group(*parts)
+
+
+def mismatch_plot(rep, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        from .errors import EngineProfilesError
+
+        raise EngineProfilesError(f"--plot needs matplotlib ({e}); pip install matplotlib") from None
+    names = [n for n, _ in rep.rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
+    axes[0].barh(names, [100 * m.exact_match for _, m in rep.rows])
+    axes[0].set_xlabel("exact-match fraction of sampled-token log-probs (%)")
+    axes[1].barh(names, [m.abs_dlogp_mean for _, m in rep.rows])
+    axes[1].set_xlabel("mean |logp_train - logp_engine|")
+    axes[1].set_yticklabels([])
+    e = rep.engine
+    fig.suptitle(f"{e['name']} {e['version']} vs HF trainer ({rep.family})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

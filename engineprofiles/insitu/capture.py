@@ -1,0 +1,146 @@
+"""Run a real engine on a local model and capture what it materializes.
+
+Run inside the engine's environment (``probe-engine mismatch`` does this for you):
+
+    python -m engineprofiles.insitu.capture vllm --model DIR --out FILE.pt [--prompts N] [--max-tokens N]
+
+For each prompt the engine first samples a completion (decode path: the sampled tokens and their
+log-probs, as an RL rollout records them), then re-scores prompt + completion in one prefill with
+``prompt_logprobs`` while the capture records, per decoder layer, the tensors that enter and leave
+attention (the attention backend's Python ``forward`` runs even when the rest of the model is
+compiled) and the final hidden states handed to the logits processor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+
+def _log(msg: str) -> None:
+    print(f"[capture] {msg}", file=sys.stderr, flush=True)
+
+
+def prompts_for(n: int, vocab: int, seed: int, length: int = 12) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (length + i % 5,), generator=g).tolist() for i in range(n)]
+
+
+def _full_hidden(calls: list, n: int):
+    """The final hidden states of all n positions: one logits call for every position, or one for
+    the prompt log-probs (n - 1 rows) plus the sampling call for the last position."""
+    import torch
+
+    whole = [h for h in calls if h.shape[0] == n]
+    if whole:
+        return whole[0]
+    head = [h for h in calls if h.shape[0] == n - 1]
+    last = [h for h in calls if h.shape[0] == 1]
+    if head and last:
+        return torch.cat((head[0], last[-1]), 0)
+    return None
+
+
+def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed: int, mode: str = "default") -> dict[str, Any]:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: apply_model reaches the live model
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    kw: dict[str, Any] = {}
+    if mode == "eager":
+        kw["enforce_eager"] = True
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", distributed_executor_backend="uni",
+              max_model_len=512, max_num_seqs=1, seed=seed, **kw)
+    _log(f"vLLM {vllm.__version__} engine up in {time.perf_counter() - t0:.1f}s")
+
+    state: dict[str, Any] = {"on": False, "attn": {}, "hidden": []}
+
+    def install(model):
+        attn_layers = [m for m in model.modules() if type(m).__name__ == "Attention" and hasattr(m, "impl")]
+        for i, layer in enumerate(attn_layers):
+            impl = layer.impl
+            orig = impl.forward
+
+            def wrapped(lyr, query, key, value, kv_cache, attn_metadata, output=None, *a, _i=i, _orig=orig, **k):
+                res = _orig(lyr, query, key, value, kv_cache, attn_metadata, output, *a, **k)
+                if state["on"] and attn_metadata is not None:
+                    out = res if res is not None else output
+                    state["attn"].setdefault(_i, []).append(
+                        {"q": query.detach().clone(), "k": key.detach().clone(), "v": value.detach().clone(),
+                         "out": out.detach().clone()}
+                    )
+                return res
+
+            impl.forward = wrapped
+        lp = getattr(model, "logits_processor", None)
+        if lp is not None:
+            lp.register_forward_pre_hook(
+                lambda mod, args: state["hidden"].append(args[1].detach().clone()) if state["on"] else None
+            )
+        return len(attn_layers)
+
+    n_layers = llm.apply_model(install)[0]
+    _log(f"capturing {n_layers} attention layers")
+    sequences = []
+    for j, prompt in enumerate(prompts):
+        sp = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + j, logprobs=0, detokenize=False)
+        out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
+        completion = list(out.token_ids)
+        sample_lp = [lp[tok].logprob for lp, tok in zip(out.logprobs, completion)]
+        full = prompt + completion
+        state.update(on=True, attn={}, hidden=[])
+        rp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        res = llm.generate([{"prompt_token_ids": full}], rp, use_tqdm=False)[0]
+        state["on"] = False
+        prompt_lp = [None] + [d[tok].logprob for d, tok in zip(res.prompt_logprobs[1:], full[1:])]
+        layers = []
+        for i in range(n_layers):
+            calls = state["attn"].get(i, [])
+            # The prefill of the whole sequence is the call that saw every token.
+            call = next((c for c in calls if c["q"].shape[0] == len(full)), None)
+            layers.append(call)
+        hidden = _full_hidden(state["hidden"], len(full))
+        sequences.append(dict(prompt=prompt, completion=completion, sample_logprobs=sample_lp,
+                              prompt_logprobs=prompt_lp, layers=layers, hidden=hidden))
+        _log(f"sequence {j + 1}/{len(prompts)}: {len(prompt)} prompt + {len(completion)} sampled tokens")
+    cfg = llm.llm_engine.vllm_config.compilation_config
+    return dict(
+        engine=dict(name="vllm", version=vllm.__version__, torch_version=torch.__version__,
+                    compilation_mode=str(getattr(cfg.mode, "name", cfg.mode)), mode=mode),
+        model_dir=model_dir, sequences=sequences, seed=seed, seconds=time.perf_counter() - t0,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="capture what a real engine materializes on a local model")
+    ap.add_argument("engine", choices=["vllm"])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mode", default="default", choices=["default", "eager"])
+    a = ap.parse_args(argv)
+    import json
+
+    import torch
+
+    with open(os.path.join(a.model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    data = capture_vllm(a.model, prompts_for(a.prompts, vocab, a.seed), a.max_tokens, a.seed, a.mode)
+    tmp = a.out + ".tmp"
+    torch.save(data, tmp)
+    os.replace(tmp, a.out)
+    _log(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""End-to-end log-prob mismatch between a real engine and the HF trainer.
+
+The engine samples completions on a tiny local model (its own environment, see capture.py); the
+trainer recomputes the log-probs of the sampled tokens as-is, with the engine's profile applied,
+and with each region of the profile alone (the others kept at the trainer's own rounding). The
+metrics are the ones RL frameworks log (engineprofiles.metrics).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..errors import EngineProfilesError
+from ..metrics import Mismatch, mismatch
+from ..models import FAMILIES
+from ..regions import REGIONS
+from ..schema import Profile, make_profile
+from ..store import get_profile, shipped_names
+
+# The residual RMSNorm region covers both call forms.
+ABLATIONS = {"rope": ("rope",), "swiglu": ("swiglu",), "rmsnorm": ("add_rmsnorm", "rmsnorm")}
+
+
+@dataclass
+class Report:
+    engine: dict[str, Any]
+    family: str
+    profile_name: str
+    trainer_profile_name: str
+    warnings: list[str] = field(default_factory=list)
+    rows: list[tuple[str, Mismatch]] = field(default_factory=list)
+    prefill_rows: list[tuple[str, Mismatch]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(engine=self.engine, family=self.family, profile=self.profile_name,
+                    trainer_profile=self.trainer_profile_name, warnings=self.warnings,
+                    sampled=[dict(trainer=n, **m.as_dict()) for n, m in self.rows],
+                    prefill=[dict(trainer=n, **m.as_dict()) for n, m in self.prefill_rows])
+
+
+def trainer_profile_name() -> str:
+    import transformers
+
+    return f"transformers-{transformers.__version__}-cpu-eager-bfloat16"
+
+
+def default_profile_name(engine: str, version: str) -> str:
+    mode = "inductor" if engine == "vllm" else "eager"
+    return f"{engine}-{version}-cpu-{mode}-bfloat16"
+
+
+def combine(base: Profile, other: Profile, regions: tuple[str, ...]) -> Profile:
+    """``base`` with the points of ``regions`` taken from ``other``."""
+    points = {n: (other.point(n) if n in regions else base.point(n)) for n in REGIONS}
+    return make_profile(engine=base.engine, dtype=base.dtype, points=points,
+                        provenance=base.provenance.model_copy(update={"method": "synthetic"}))
+
+
+def sequence_logprobs(model, seq: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trainer log-probs of the sampled tokens and of every prompt+completion token (teacher forced)."""
+    ids = torch.tensor(seq["prompt"] + seq["completion"]).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:].unsqueeze(-1))[:, 0]
+    n_prompt = len(seq["prompt"])
+    return lp[n_prompt - 1:], lp
+
+
+def engine_python(engine: str, env: str | None) -> Path:
+    from ..probe.runner import find_engine_python
+
+    return find_engine_python(engine, env)
+
+
+def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_tokens: int, seed: int,
+                env: str | None, note: Callable[[str], None]) -> dict[str, Any]:
+    py = engine_python(engine, env)
+    note(f"running {engine} from {py.parent.parent.name} on the tiny model (engine start-up takes minutes)")
+    cmd = [str(py), "-m", "engineprofiles.insitu.capture", engine, "--model", str(model_dir), "--out", str(out),
+           "--prompts", str(prompts), "--max-tokens", str(max_tokens), "--seed", str(seed)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        tail = "\n".join(r.stderr.splitlines()[-15:])
+        raise EngineProfilesError(f"{engine} capture failed (exit {r.returncode}):\n{tail}")
+    return torch.load(out, weights_only=False)
+
+
+def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | None = None, prompts: int = 4,
+                 max_tokens: int = 16, seed: int = 0, env: str | None = None, workdir: str | None = None,
+                 capture_file: str | None = None, note: Callable[[str], None] = lambda m: None) -> Report:
+    if family not in FAMILIES:
+        raise EngineProfilesError(f"unknown model family {family!r}; families: {', '.join(FAMILIES)}")
+    from emulator import apply_profile
+
+    from ..models import tiny_model
+
+    model = tiny_model(family, seed=seed).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        wd = Path(workdir or tmp)
+        if capture_file:
+            cap = torch.load(capture_file, weights_only=False)
+        else:
+            model_dir = wd / f"tiny-{family}"
+            model.save_pretrained(model_dir)
+            cap = run_capture(engine, model_dir, wd / "capture.pt", prompts=prompts, max_tokens=max_tokens,
+                              seed=seed, env=env, note=note)
+    eng = cap["engine"]
+    prof_name = profile or default_profile_name(engine, eng["version"])
+    if profile is None and prof_name not in shipped_names():
+        raise EngineProfilesError(f"no shipped profile {prof_name} for {engine} {eng['version']}; pass --profile")
+    prof = get_profile(prof_name)
+    tname = trainer_profile_name()
+    trainer = get_profile(tname)
+    report = Report(engine=eng, family=family, profile_name=prof_name, trainer_profile_name=tname)
+    if prof.engine.name != engine or prof.engine.version != eng["version"]:
+        report.warnings.append(
+            f"profile {prof_name} is from {prof.engine.name} {prof.engine.version}, "
+            f"but the samples come from {engine} {eng['version']}"
+        )
+    variants: list[tuple[str, Profile | None]] = [("as-is", None), ("+ engine profile", prof)]
+    for label, regs in ABLATIONS.items():
+        variants.append((f"+ {label} only", combine(trainer, prof, regs)))
+    seqs = cap["sequences"]
+    le = torch.tensor([x for s in seqs for x in s["sample_logprobs"]], dtype=torch.float32)
+    lpre = torch.tensor([x for s in seqs for x in s["prompt_logprobs"][1:]], dtype=torch.float32)
+    for label, p in variants:
+        note(f"trainer: {label}")
+        handle = apply_profile(model, p) if p is not None else None
+        try:
+            samp, full = zip(*(sequence_logprobs(model, s) for s in seqs))
+        finally:
+            if handle is not None:
+                handle.remove()
+        report.rows.append((label, mismatch(le, torch.cat(samp))))
+        report.prefill_rows.append((label, mismatch(lpre, torch.cat(full))))
+    return report
