@@ -160,7 +160,8 @@ MODE_HELP = {
 
 
 def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str], seed: int, quick: bool,
-           region: Optional[list[str]], env: Optional[str], print_yaml: bool, model: Optional[str] = None) -> None:
+           region: Optional[list[str]], env: Optional[str], print_yaml: bool, model: Optional[str] = None,
+           apply: Optional[str] = None) -> None:
     import os
     import sys
     import time
@@ -187,7 +188,7 @@ def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str
 
         t0 = time.perf_counter()
         err.print(f"[bold]probing {engine}[/bold] (mode {mode}, {dtype}, {device}, seed {seed})", highlight=False)
-        adapter = runner.make_adapter(engine, mode, dt, device, model)
+        adapter = _patched_adapter(model, apply, dt, device) if apply else runner.make_adapter(engine, mode, dt, device, model)
         err.print(f"  {engine} loaded in {time.perf_counter() - t0:.1f}s", highlight=False)
 
         def progress(msg: str) -> None:
@@ -212,6 +213,20 @@ def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str
     if target is not None:
         path = runner.write_profile(profile, target, is_dir)
         err.print(f"[green]wrote[/green] {path}", highlight=False)
+
+
+def _patched_adapter(family: Optional[str], profile: str, dt, device: str):
+    """The transformers adapter on a tiny ``family`` model patched with ``profile`` (the closed
+    loop: probing it should give back the profile's sites). emulator is imported only here."""
+    from emulator import apply_profile
+
+    from .models import tiny_model
+    from .probe.adapters.transformers import TransformersAdapter
+
+    prof = store.get_profile(profile)
+    model = tiny_model(family or "qwen2", dtype=dt, device=device)
+    apply_profile(model, prof)
+    return TransformersAdapter(dtype=dt, device=device, model=model, label=prof.canonical_name)
 
 
 def _engine_command(engine: str):
@@ -252,8 +267,11 @@ def _register_engines() -> None:
         region: Optional[list[str]] = typer.Option(None, help="probe only this region (repeatable)"),
         family: str = typer.Option("qwen2", help="model family whose modules are probed: qwen2, qwen3, llama"),
         print_yaml: bool = typer.Option(False, "--yaml", help="also print the YAML"),
+        apply: Optional[str] = typer.Option(
+            None, "--apply", help="probe a tiny --family model patched with this profile (emulator.apply_profile)"
+        ),
     ) -> None:
-        _probe("transformers", device, dtype, mode, output, seed, quick, region, None, print_yaml, family)
+        _probe("transformers", device, dtype, mode, output, seed, quick, region, None, print_yaml, family, apply)
 
 
 _register_engines()

@@ -89,7 +89,7 @@ def notes(p: Profile) -> Text:
         if ev.indistinguishable:
             t.append(f"{name}: not told apart on the probe inputs: {'; '.join(ev.indistinguishable)}\n")
         if ev.tied_with:
-            t.append(f"{name}: tied with {'; '.join(ev.tied_with)}\n", style="red")
+            t.append(f"{name}: tied with {'; '.join(ev.tied_with)}\n", style="red" if ev.ambiguous else "yellow")
     return t
 
 

@@ -205,7 +205,9 @@ def decide(r: RegionResult) -> Decision:
         max_ulp=max_ulp,
         elements=total,
         shapes=[c.case.label for c in r.cases],
-        ambiguous=bool(tied or site_twins),
+        # Ambiguous means the rounding sites are not determined: a tie between points whose sites
+        # differ. A tie between formula variants of the winner's sites is listed, not flagged.
+        ambiguous=bool(site_twins or any(spec.site_part(q) != spec.site_part(winner) for q in tied)),
         tied_with=[q.label() for q in tied + site_twins],
         indistinguishable=[" ".join(f"{k}={v}" for k, v in spec.variant_part(q).items()) for q in variant_twins],
         shape_dependent=shape_dependent,

@@ -1,0 +1,116 @@
+"""Tiny HF transformers models of the supported families, built locally and deterministically.
+
+Tests, closed-loop probes, benchmarks and end-to-end checks need a real model of each family
+without downloading one. :func:`tiny_model` builds it from a config alone, with weights drawn from
+a seeded generator at realistic scales (norm weights around 1 +- 0.1, projections and embeddings
+N(0, 0.02), Qwen2's attention biases N(0, 0.02)), so the same seed gives the same bits on every
+machine. torch and transformers are imported when a model is built, not when this module is.
+
+    >>> model = tiny_model("qwen3", seed=1)              # 2 layers, hidden 256, vocab 256, BF16
+    >>> wide = tiny_model("qwen2", **QWEN25_05B_WIDTHS)   # Qwen2.5-0.5B's widths, 2 layers
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FAMILIES = ("qwen2", "qwen3", "llama")
+
+# Defaults: small, but with GQA, head_dim 64, a hidden size that is not a single head, and
+# positions well beyond 32k allowed.
+DEFAULTS: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+)
+
+ROPE_THETA = {"qwen2": 1000000.0, "qwen3": 1000000.0, "llama": 500000.0}
+
+# Qwen2.5-0.5B's widths (its real config), for benchmarks.
+QWEN25_05B_WIDTHS: dict[str, Any] = dict(
+    hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+    vocab_size=256,
+)
+
+
+def _config_class(family: str):
+    if family == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config
+    if family == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config
+    if family == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig
+    raise ValueError(f"unknown model family {family!r}; families: {', '.join(FAMILIES)}")
+
+
+def tiny_config(family: str = "qwen2", *, attn_implementation: str = "sdpa", **overrides: Any):
+    """The config of a tiny model of ``family``; ``overrides`` replace any config field."""
+    C = _config_class(family)
+    kw = dict(DEFAULTS)
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": ROPE_THETA[family]}
+    kw.update(tie_word_embeddings=False, hidden_act="silu")
+    kw.update(overrides)
+    cfg = C(**kw)
+    cfg._attn_implementation = attn_implementation
+    return cfg
+
+
+def init_weights(model: Any, seed: int = 0) -> Any:
+    """Fill every parameter of ``model`` from a generator seeded with ``seed``, in name order:
+    norm weights 1 + 0.1 N(0, 1), everything else 0.02 N(0, 1). Returns the model."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            r = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            p.copy_((1.0 + 0.1 * r) if name.endswith("norm.weight") else 0.02 * r)  # rounded to p's dtype (RNE)
+    return model
+
+
+def tiny_model(
+    family: str = "qwen2",
+    *,
+    seed: int = 0,
+    dtype: Any = "bfloat16",
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+    **overrides: Any,
+) -> Any:
+    """A causal LM of ``family`` (qwen2, qwen3, llama) with 2 decoder layers by default, its
+    weights drawn from ``seed`` (see :func:`init_weights`), in ``dtype``, in eval mode.
+
+    ``overrides`` replace config fields (``hidden_size``, ``num_hidden_layers``, ...)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(family, attn_implementation=attn_implementation, **overrides)
+    dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    # Built in ``dtype`` (not cast afterwards: ``.to(dtype)`` would also round the rotary
+    # embedding's FP32 inv_freq buffer, which HF keeps in FP32 when it loads a checkpoint).
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dt)
+    init_weights(model, seed)
+    model = model.to(device=device)
+    model.eval()
+    return model
+
+
+def tiny_inputs(model: Any, tokens: int = 32, batch: int = 1, seed: int = 0) -> Any:
+    """Token ids [batch, tokens] for ``model``, drawn from ``seed``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch, tokens), generator=g)
+    return ids.to(next(model.parameters()).device)
