@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -229,6 +230,65 @@ def _patched_adapter(family: Optional[str], profile: str, dt, device: str):
     return TransformersAdapter(dtype=dt, device=device, model=model, label=prof.canonical_name)
 
 
+def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Optional[str], capture: Optional[str],
+             prompts: int, print_yaml: bool) -> None:
+    import sys
+    import tempfile
+    import time
+
+    import torch
+
+    from .insitu.fit import fit_profile, in_situ_profile
+    from .insitu.mismatch import run_capture
+    from .models import tiny_model
+    from .probe import runner
+
+    t0 = time.perf_counter()
+
+    def note(m: str) -> None:
+        err.print(f"  [{time.perf_counter() - t0:6.1f}s] {m}", highlight=False)
+
+    try:
+        target, is_dir = runner.output_path(output)
+        model = tiny_model(family, seed=seed).eval()
+        with tempfile.TemporaryDirectory() as tmp:
+            if capture:
+                cap = torch.load(capture, weights_only=False)
+            else:
+                model.save_pretrained(Path(tmp) / "model")
+                cap = run_capture(engine, Path(tmp) / "model", Path(tmp) / "cap.pt", prompts=prompts, max_tokens=16,
+                                  seed=seed, env=env, note=note)
+        version = cap["engine"]["version"]
+        start_name = f"{engine}-{version}-cpu-inductor-bfloat16"
+        try:
+            start = store.get_profile(start_name)
+        except EngineProfilesError:
+            raise EngineProfilesError(
+                f"the in-situ fit starts from the op-level profile {start_name}; make it first with "
+                f"`scripts/probe.sh {engine} {version} --ship`"
+            ) from None
+        note(f"fitting in situ from {start_name} ({len(cap['sequences'])} sequences)")
+        fit = fit_profile(model, cap, start, note=note)
+        import shlex
+
+        cmd = os.environ.get("ENGINEPROFILES_COMMAND") or shlex.join(["probe-engine", *sys.argv[1:]])
+        profile = in_situ_profile(fit, start, cap, family, cmd)
+    except EngineProfilesError as e:
+        _fail(e)
+    render.show(profile, out)
+    t = Table(title="in situ: match per layer, op-level start vs fitted")
+    for col in ("tensor", "op-level profile", "in-situ fit"):
+        t.add_column(col)
+    for k, v in fit.best.layers.items():
+        t.add_row(k, f"{100 * fit.start.layers[k].rate:.2f}%", f"{100 * v.rate:.2f}%")
+    out.print(t)
+    if print_yaml or target is None:
+        out.print(profile.to_yaml(), highlight=False, markup=False, soft_wrap=True)
+    if target is not None:
+        path = runner.write_profile(profile, target, is_dir)
+        err.print(f"[green]wrote[/green] {path}", highlight=False)
+
+
 def _engine_command(engine: str):
     def command(
         device: str = typer.Option("cpu", help="device to probe on: cpu or cuda"),
@@ -244,7 +304,18 @@ def _engine_command(engine: str):
             None, help="engine environment (venv folder, python or version) when the engine is not importable here"
         ),
         print_yaml: bool = typer.Option(False, "--yaml", help="also print the YAML"),
+        in_situ: bool = typer.Option(
+            False, "--in-situ", help="run the whole engine on a tiny model and fit the profile in situ (vllm)"
+        ),
+        family: str = typer.Option("qwen2", help="--in-situ: tiny model family (qwen2, qwen3, llama)"),
+        capture: Optional[str] = typer.Option(None, help="--in-situ: reuse a capture file"),
+        prompts: int = typer.Option(4, help="--in-situ: number of sequences"),
     ) -> None:
+        if in_situ:
+            if engine != "vllm":
+                _fail(EngineProfilesError("--in-situ is implemented for vllm (SGLang's CPU engine runs eagerly)"))
+            _in_situ(engine, family, output, seed, env, capture, prompts, print_yaml)
+            return
         _probe(engine, device, dtype, mode, output, seed, quick, region, env, print_yaml)
 
     return command

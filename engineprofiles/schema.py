@@ -144,7 +144,8 @@ class Profile(StrictModel):
     @property
     def canonical_name(self) -> str:
         e = self.engine
-        return f"{e.name}-{e.version}-{e.backend}-{e.execution_mode}-{self.dtype}"
+        suffix = "-insitu" if self.provenance.method == "in-situ" else ""
+        return f"{e.name}-{e.version}-{e.backend}-{e.execution_mode}-{self.dtype}{suffix}"
 
     # -- YAML -----------------------------------------------------------------------------
     def to_yaml(self) -> str:

@@ -98,7 +98,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                  capture_file: str | None = None, note: Callable[[str], None] = lambda m: None) -> Report:
     if family not in FAMILIES:
         raise EngineProfilesError(f"unknown model family {family!r}; families: {', '.join(FAMILIES)}")
-    from emulator import apply_profile
+    from emulator.patching import apply_profile
 
     from ..models import tiny_model
 

@@ -1,0 +1,216 @@
+"""In-situ comparison: the trainer, teacher-forced with the engine's own attention outputs, judged
+layer by layer against the tensors the engine materialized.
+
+For each captured sequence, the trainer model (patched with a candidate profile) runs the whole
+sequence; at every layer its attention returns the engine's attention output instead of its own,
+so each layer is judged on the regions and matmuls between attentions alone. What is compared:
+q and k as they enter attention (after RoPE) at every layer, and the final hidden states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+CAPTURE_IMPL = "engineprofiles_teacher"
+
+
+@dataclass
+class LayerMatch:
+    matched: int = 0
+    total: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.matched / self.total if self.total else float("nan")
+
+
+@dataclass
+class FitResult:
+    label: str
+    layers: dict[str, LayerMatch] = field(default_factory=dict)  # "L0.q", "L0.k", ..., "hidden"
+
+    @property
+    def total(self) -> LayerMatch:
+        m = LayerMatch()
+        for v in self.layers.values():
+            m.matched += v.matched
+            m.total += v.total
+        return m
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
+    a, b = a.reshape(-1), b.reshape(-1).to(a.dtype)
+    return int(((a == b) | (torch.isnan(a) & torch.isnan(b))).sum()), a.numel()
+
+
+def _register(state: dict[str, Any]) -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def teacher(module, query, key, value, attention_mask, **kwargs):
+        i = state["layer"]
+        state["layer"] += 1
+        state["qk"].append((query, key))
+        eng = state["engine_out"][i]  # [T, Hq, D]
+        b, h, t, d = query.shape
+        return eng.reshape(1, t, h, d).to(query.dtype), None
+
+    ALL_ATTENTION_FUNCTIONS.register(CAPTURE_IMPL, teacher)
+
+
+def teacher_forced(model, seq: dict[str, Any]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Trainer q/k per layer (as they enter attention) and final hidden states, teacher-forced."""
+    state: dict[str, Any] = {"layer": 0, "qk": [], "engine_out": [lay["out"] for lay in seq["layers"]]}
+    _register(state)
+    cfg = model.config
+    old = cfg._attn_implementation
+    hidden: list[torch.Tensor] = []
+    norm = model.model.norm
+    h = norm.register_forward_hook(lambda m, a, o: hidden.append(o[0] if isinstance(o, tuple) else o))
+    try:
+        cfg._attn_implementation = CAPTURE_IMPL
+        for m in model.modules():
+            if hasattr(m, "config") and m is not model:
+                try:
+                    m.config._attn_implementation = CAPTURE_IMPL
+                except AttributeError:
+                    pass
+        ids = torch.tensor(seq["prompt"] + seq["completion"]).unsqueeze(0)
+        with torch.no_grad():
+            model(input_ids=ids)
+    finally:
+        cfg._attn_implementation = old
+        h.remove()
+    return state["qk"], hidden[0][0]
+
+
+def compare(model, capture: dict[str, Any], label: str) -> FitResult:
+    res = FitResult(label)
+    for seq in capture["sequences"]:
+        if any(lay is None for lay in seq["layers"]):
+            continue
+        qk, hid = teacher_forced(model, seq)
+        for i, ((q, k), lay) in enumerate(zip(qk, seq["layers"])):
+            t = q.shape[2]
+            for name, mine, eng in (("q", q[0].transpose(0, 1), lay["q"]), ("k", k[0].transpose(0, 1), lay["k"])):
+                m, n = _same(mine.reshape(t, -1), eng.reshape(t, -1))
+                lm = res.layers.setdefault(f"L{i}.{name}", LayerMatch())
+                lm.matched += m
+                lm.total += n
+        if seq.get("hidden") is not None:
+            m, n = _same(hid, seq["hidden"])
+            lm = res.layers.setdefault("hidden", LayerMatch())
+            lm.matched += m
+            lm.total += n
+    return res
+
+
+FIT_ORDER = ("rmsnorm", "rope", "add_rmsnorm", "swiglu")
+
+
+@dataclass
+class Fit:
+    points: dict[str, Any]  # region -> Point
+    best: FitResult
+    candidates: dict[str, list[tuple[Any, FitResult]]]  # region -> [(point, result)] of the last sweep
+    start: FitResult
+
+
+def fit_profile(model, capture: dict[str, Any], start: "Profile", note=lambda m: None) -> Fit:  # noqa: F821
+    """Coordinate search over the lattice, starting from ``start`` (the op-level profile): for each
+    region in turn, every canonical point with the other regions fixed; keep the point whose
+    teacher-forced trainer matches the engine's tensors on the most elements (ties keep the current
+    point). Two passes, or until nothing changes."""
+    from emulator.patching import apply_profile
+
+    from ..regions import REGIONS
+    from ..schema import make_profile
+
+    def run(points, label):
+        prof = make_profile(engine=start.engine, dtype=start.dtype, points=points,
+                            provenance=start.provenance.model_copy(update={"method": "synthetic"}))
+        h = apply_profile(model, prof)
+        try:
+            return compare(model, capture, label)
+        finally:
+            h.remove()
+
+    current = {n: start.point(n) for n in REGIONS}
+    start_res = run(current, "start")
+    best = start_res
+    candidates: dict[str, list] = {}
+    for sweep in range(2):
+        changed = False
+        for region in FIT_ORDER:
+            results = []
+            for p in REGIONS[region].all_points():
+                pts = dict(current, **{region: p})
+                results.append((p, run(pts, p.label())))
+            candidates[region] = results
+            top = max(r.total.matched for _, r in results)
+            cur = next(r for p, r in results if p == current[region])
+            if cur.total.matched < top:
+                p, r = next((p, r) for p, r in results if r.total.matched == top)
+                note(f"in situ: {region} -> {p.label()} ({r.total.rate:.4%} of captured elements match)")
+                current[region] = p
+                best = r
+                changed = True
+            else:
+                best = cur
+        if not changed:
+            break
+    return Fit(current, best, candidates, start_res)
+
+
+def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any], family: str, command: str) -> "Profile":  # noqa: F821
+    import datetime as _dt
+
+    from .. import PROBE_VERSION, __version__
+    from ..regions import REGIONS
+    from ..schema import make_profile
+
+    n_seq = len(capture["sequences"])
+    n_tok = sum(len(s["prompt"]) + len(s["completion"]) for s in capture["sequences"])
+    evidence = {}
+    for region in REGIONS:
+        spec = REGIONS[region]
+        win = fit.points[region]
+        results = fit.candidates.get(region, [])
+        total = fit.best.total
+        others = sorted(((r.total.matched, p) for p, r in results if spec.site_part(p) != spec.site_part(win)),
+                        key=lambda x: -x[0])
+        tied = [p.label() for m, p in others if m == total.matched]
+        op = start.point(region)
+        notes = [f"in situ on a tiny {family} model: {n_seq} sequences, {n_tok} tokens, teacher-forced with the "
+                 f"engine's attention outputs; compared: q and k entering attention at every layer"
+                 + (" and the final hidden states" if "hidden" in fit.best.layers else "")]
+        if spec.site_part(op) != spec.site_part(win):
+            notes.append(f"op-level probe said {op.label()}; in situ wins")
+        evidence[region] = dict(
+            path=f"{capture['engine']['name']} {capture['engine']['version']} whole model "
+                 f"({capture['engine'].get('compilation_mode', '')}), captured in situ",
+            match_rate=total.rate,
+            runner_up=others[0][1].label() if others else None,
+            runner_up_match_rate=(others[0][0] / total.total) if others else None,
+            elements=total.total,
+            shapes=[f"{family}: {k}" for k in fit.best.layers],
+            ambiguous=bool(tied),
+            tied_with=tied,
+            per_shape=[dict(shape=k, winner=win.label(), match_rate=v.rate) for k, v in fit.best.layers.items()],
+            notes=notes,
+        )
+    settings = dict(start.engine.settings)
+    settings["in_situ_family"] = family
+    return make_profile(
+        engine=start.engine.model_copy(update={"settings": settings}),
+        dtype=start.dtype,
+        points=fit.points,
+        evidence=evidence,
+        provenance=dict(
+            date=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
+            probe_version=PROBE_VERSION, package_version=__version__, method="in-situ", command=command,
+            seed=capture.get("seed"),
+        ),
+    )
