@@ -137,7 +137,7 @@ def mismatch_table(rep) -> Group:
                         ("every token re-scored in one prefill (engine prompt log-probs)", rep.prefill_rows)):
         t = Table(title=title)
         for col in ("trainer", "exact", "k3 KL", "|dp| max", "|dp| mean", "|dlogp| mean", "|dlogp| max", "PPL ratio"):
-            t.add_column(col, no_wrap=col != "trainer")
+            t.add_column(col, no_wrap=True, min_width=22 if col == "trainer" else None)
         for name, m in rows:
             t.add_row(name, f"{100 * m.exact_match:.1f}%", f"{m.k3_kl:.1e}", f"{m.abs_dp_max:.1e}", f"{m.abs_dp_mean:.1e}",
                       f"{m.abs_dlogp_mean:.1e}", f"{m.abs_dlogp_max:.1e}", f"{m.ppl_ratio:.5f}")

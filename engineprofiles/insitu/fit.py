@@ -60,7 +60,14 @@ def _register(state: dict[str, Any]) -> None:
     ALL_ATTENTION_FUNCTIONS.register(CAPTURE_IMPL, teacher)
 
 
-def teacher_forced(model, seq: dict[str, Any]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+def teacher_forced_logprobs(model, seq: dict[str, Any]) -> torch.Tensor:
+    """Log-probs of every next token with the engine's attention outputs forced in."""
+    _, _, logits = teacher_forced(model, seq, with_logits=True)
+    ids = torch.tensor(seq["prompt"] + seq["completion"])
+    return torch.log_softmax(logits[:-1].float(), -1).gather(-1, ids[1:].unsqueeze(-1))[:, 0]
+
+
+def teacher_forced(model, seq: dict[str, Any], with_logits: bool = False):
     """Trainer q/k per layer (as they enter attention) and final hidden states, teacher-forced."""
     state: dict[str, Any] = {"layer": 0, "qk": [], "engine_out": [lay["out"] for lay in seq["layers"]]}
     _register(state)
@@ -79,10 +86,12 @@ def teacher_forced(model, seq: dict[str, Any]) -> tuple[list[tuple[torch.Tensor,
                     pass
         ids = torch.tensor(seq["prompt"] + seq["completion"]).unsqueeze(0)
         with torch.no_grad():
-            model(input_ids=ids)
+            logits = model(input_ids=ids).logits[0]
     finally:
         cfg._attn_implementation = old
         h.remove()
+    if with_logits:
+        return state["qk"], hidden[0][0], logits
     return state["qk"], hidden[0][0]
 
 

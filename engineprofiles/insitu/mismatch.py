@@ -141,4 +141,15 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                 handle.remove()
         report.rows.append((label, mismatch(le, torch.cat(samp))))
         report.prefill_rows.append((label, mismatch(lpre, torch.cat(full))))
+    # Diagnosis: with the profile and the engine's own attention outputs (teacher forced), what is
+    # left is everything outside attention: if this row is exact, attention explains the rest.
+    if all(lay is not None for s in seqs for lay in s["layers"]):
+        from .fit import teacher_forced_logprobs
+
+        handle = apply_profile(model, prof)
+        try:
+            full = torch.cat([teacher_forced_logprobs(model, s) for s in seqs])
+        finally:
+            handle.remove()
+        report.prefill_rows.append(("+ profile + engine attention", mismatch(lpre, full)))
     return report
