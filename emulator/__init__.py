@@ -1,6 +1,26 @@
-"""Training side: Triton kernels, autograd ops and model patching that reproduce a profile."""
+"""Training side: Triton kernels, autograd ops and model patching that reproduce a profile.
 
-from . import functional
+``emulator.functional`` is the public API (rope, swiglu, rmsnorm, add_rmsnorm). It is imported on
+first use, so that ``emulator.ops`` (the kernels) also imports where the profile schema's
+dependencies (pydantic) are not installed, e.g. on a bare GPU machine running scripts/gpu_check.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .errors import BackendError, EmulatorError, InputError, ProfileMismatch, RegionUnavailable
 
-__all__ = ["functional", "EmulatorError", "RegionUnavailable", "ProfileMismatch", "BackendError", "InputError"]
+__all__ = [
+    "functional", "apply_profile", "PatchHandle",
+    "EmulatorError", "RegionUnavailable", "ProfileMismatch", "BackendError", "InputError",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "functional":
+        return importlib.import_module(".functional", __name__)
+    if name in ("apply_profile", "PatchHandle"):  # model patching (emulator/patching.py)
+        return getattr(importlib.import_module(".patching", __name__), name)
+    raise AttributeError(f"module 'emulator' has no attribute {name!r}")
