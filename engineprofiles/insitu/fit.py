@@ -127,7 +127,8 @@ class Fit:
     start: FitResult
 
 
-def fit_profile(model, capture: dict[str, Any], start: "Profile", note=lambda m: None) -> Fit:  # noqa: F821
+def fit_profile(model, capture: dict[str, Any], start: "Profile", note=lambda m: None,  # noqa: F821
+                regions: tuple[str, ...] = FIT_ORDER, passes: int = 2) -> Fit:
     """Coordinate search over the lattice, starting from ``start`` (the op-level profile): for each
     region in turn, every canonical point with the other regions fixed; keep the point whose
     teacher-forced trainer matches the engine's tensors on the most elements (ties keep the current
@@ -150,9 +151,9 @@ def fit_profile(model, capture: dict[str, Any], start: "Profile", note=lambda m:
     start_res = run(current, "start")
     best = start_res
     candidates: dict[str, list] = {}
-    for sweep in range(2):
+    for sweep in range(passes):
         changed = False
-        for region in FIT_ORDER:
+        for region in regions:
             results = []
             for p in REGIONS[region].all_points():
                 pts = dict(current, **{region: p})

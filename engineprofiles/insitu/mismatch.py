@@ -120,10 +120,10 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     tname = trainer_profile_name()
     trainer = get_profile(tname)
     report = Report(engine=eng, family=family, profile_name=prof_name, trainer_profile_name=tname)
-    if prof.engine.name != engine or prof.engine.version != eng["version"]:
+    if prof.engine.name != eng["name"] or prof.engine.version != eng["version"]:
         report.warnings.append(
             f"profile {prof_name} is from {prof.engine.name} {prof.engine.version}, "
-            f"but the samples come from {engine} {eng['version']}"
+            f"but the samples come from {eng['name']} {eng['version']}"
         )
     variants: list[tuple[str, Profile | None]] = [("as-is", None), ("+ engine profile", prof)]
     for label, regs in ABLATIONS.items():

@@ -1,0 +1,83 @@
+"""In-situ fit and mismatch report, with a trainer-side stand-in for the engine (the real engine
+runs in tests/engines)."""
+
+import pytest
+import torch
+
+from engineprofiles.errors import EngineProfilesError
+from engineprofiles.insitu.fit import compare, fit_profile
+from engineprofiles.insitu.mismatch import combine, run_mismatch
+from engineprofiles.insitu.standin import capture_from_trainer
+from engineprofiles.models import tiny_model
+from engineprofiles.probe import runner
+from engineprofiles.store import get_profile
+
+pytest.importorskip("triton", reason="the emulator is a test dependency")
+
+ENGINE = "vllm-0.32.0-cpu-inductor-bfloat16"
+TRAINER = "transformers-5.19.0-cpu-eager-bfloat16"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen2", seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def planted(model):
+    target = get_profile(ENGINE)
+    return target, capture_from_trainer(model, target, prompts=2)
+
+
+@pytest.mark.parametrize("region", ["swiglu", "add_rmsnorm"])
+def test_in_situ_fit_finds_a_planted_rounding_difference(model, planted, region):
+    target, cap = planted
+    start = combine(target, get_profile(TRAINER), (region,))  # one region planted wrong
+    assert start.point(region) != target.point(region)
+    fit = fit_profile(model, cap, start, regions=(region,), passes=1)
+    spec_sites = lambda p: {k: p[k] for k in p if k in ("silu", "variance_input", "normalize_input", "normalized", "residual_out")}
+    assert spec_sites(fit.points[region]) == spec_sites(target.point(region))
+    assert fit.best.total.rate == 1.0
+    assert fit.start.total.rate < 1.0
+    # Per layer: the first layer's q/k do not depend on the region after attention; later layers do.
+    assert fit.best.layers["L1.q"].rate == 1.0 and fit.start.layers["L1.q"].rate < 1.0
+
+
+def test_teacher_forced_stand_in_matches_itself_bitwise(model, planted):
+    target, cap = planted
+    from emulator.patching import apply_profile
+
+    with apply_profile(model, target):
+        res = compare(model, cap, "self")
+    assert res.total.rate == 1.0
+
+
+def test_a_trainer_compared_with_itself_reports_zero_mismatch(model, tmp_path):
+    cap = capture_from_trainer(model, None, prompts=2)
+    f = tmp_path / "cap.pt"
+    torch.save(cap, f)
+    rep = run_mismatch("vllm", family="qwen2", profile=TRAINER, capture_file=str(f))
+    as_is = dict(rep.rows)["as-is"]
+    assert as_is.exact_match == 1.0 and as_is.k3_kl == 0.0 and as_is.abs_dlogp_max == 0.0
+    # The trainer's own profile applied changes nothing either.
+    assert dict(rep.rows)["+ engine profile"].exact_match == 1.0
+    assert dict(rep.prefill_rows)["+ profile + engine attention"].exact_match == 1.0
+
+
+def test_mismatch_warns_about_a_profile_from_another_engine(model, tmp_path):
+    cap = capture_from_trainer(model, None, prompts=1)
+    f = tmp_path / "cap.pt"
+    torch.save(cap, f)
+    rep = run_mismatch("vllm", family="qwen2", profile=ENGINE, capture_file=str(f))
+    assert rep.warnings and "vllm" in rep.warnings[0] and "transformers" in rep.warnings[0]
+
+
+def test_mismatch_refuses_an_unknown_family():
+    with pytest.raises(EngineProfilesError, match="unknown model family 'gpt2'"):
+        run_mismatch("vllm", family="gpt2")
+
+
+def test_mismatch_without_the_engine_environment_names_the_script(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "ENGINES_DIR", tmp_path)
+    with pytest.raises(EngineProfilesError, match="scripts/engine_env.sh vllm"):
+        run_mismatch("vllm", family="qwen2", workdir=str(tmp_path))
