@@ -49,7 +49,6 @@ if "--smoke" in sys.argv:  # the kernels must be defined in interpreter mode: be
 
 import torch  # noqa: E402
 
-from emulator.ops import _utils  # noqa: E402
 from emulator.ops.rmsnorm import AddRMSNormFunction, RMSNormFunction, rmsnorm_bwd, rmsnorm_bwd_torch  # noqa: E402
 from emulator.ops.rope import RoPEFunction, rope_bwd, rope_bwd_torch  # noqa: E402
 from emulator.ops.swiglu import SwiGLUFunction, swiglu_bwd, swiglu_bwd_torch  # noqa: E402

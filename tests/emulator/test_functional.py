@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import emulator
 from emulator import functional as F
 from emulator.errors import BackendError, EmulatorError, InputError, ProfileMismatch, RegionUnavailable
 from engineprofiles.errors import EngineProfilesError

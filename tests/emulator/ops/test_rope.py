@@ -3,7 +3,6 @@ of the lattice; the backward is the FP32 gradient within its FP32 error bound of
 
 import pytest
 import torch
-import triton
 import triton.language as tl
 
 from emulator.ops.rope import fma_rn, rope_bwd, rope_bwd_torch, rope_fwd
