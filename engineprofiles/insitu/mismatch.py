@@ -53,8 +53,10 @@ def trainer_profile_name() -> str:
 
 
 def default_profile_name(engine: str, version: str) -> str:
+    """The shipped profile of the engine: the in-situ one where there is one (in situ wins)."""
     mode = "inductor" if engine == "vllm" else "eager"
-    return f"{engine}-{version}-cpu-{mode}-bfloat16"
+    name = f"{engine}-{version}-cpu-{mode}-bfloat16"
+    return f"{name}-insitu" if f"{name}-insitu" in shipped_names() else name
 
 
 def combine(base: Profile, other: Profile, regions: tuple[str, ...]) -> Profile:
