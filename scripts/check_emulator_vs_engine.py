@@ -1,0 +1,219 @@
+#!/usr/bin/env python
+"""Does the trainer, patched with an engine's shipped profile, reproduce that engine?
+
+Run with the engine environment's python (the project is installed editable there):
+
+    .engines/vllm-0.32.0/bin/python scripts/check_emulator_vs_engine.py vllm-0.32.0-cpu-inductor-bfloat16
+
+For each region it draws fresh probe inputs (a seed other than the profile's) and runs the engine's
+own implementation through the probe's adapter, as the profile says the engine ran it, then:
+
+  emulator   ``emulator.functional`` at the profile, on the shapes of the profile's evidence;
+  patched    the region as a tiny model patched by ``emulator.apply_profile`` runs it (through the
+             transformers probe adapter), per family, on that model's shapes.
+
+Where the evidence matched bit for bit (match_rate 1.0) both must equal the engine bitwise. Where
+no lattice point fits the engine exactly (match_rate < 1), the emulator's match rate on the
+evidence's shapes must be within --rate-tolerance of the evidence's and no mismatch may be further
+than the evidence's max_ulp; the patched model must then equal the emulator bitwise (it computes
+the profile's point), and no further from the engine than max_ulp.
+
+Prints a table; exit 0 all pass, 1 any fails, 2 the environment does not fit the profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engineprofiles.probe.harness import bitwise_equal, call_engine
+from engineprofiles.probe.inputs import cases, make_inputs
+from engineprofiles.probe.runner import make_adapter
+from engineprofiles.regions import REGIONS, rope_cos_sin
+from engineprofiles.rounding import ACT_DTYPES, ulp_distance
+from engineprofiles.store import get_profile
+
+# The adapter mode that runs an engine the way a profile's execution_mode says.
+MODES = {
+    ("vllm", "inductor"): "compiled",
+    ("vllm", "eager"): "eager",
+    ("sglang", "eager"): "default",
+    ("sglang", "torch-compile"): "compiled",
+}
+FAMILIES = ("qwen2", "qwen3", "llama")
+# The tiny models' widths are shapes of the standard probe sweep (engineprofiles.probe.inputs), so
+# an engine that compiles per shape reuses the graphs it built for the evidence shapes.
+MODEL_WIDTHS = dict(
+    hidden_size=128, intermediate_size=704, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
+)
+
+
+@dataclass
+class Row:
+    region: str
+    part: str
+    shapes: int
+    elements: int
+    matches: int
+    max_ulp: int
+    evidence_rate: float
+    evidence_ulp: int
+    ok: bool
+    note: str = ""
+    seconds: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.matches / max(self.elements, 1)
+
+
+def _shape(label: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for part in label.split(","):
+        k, v = part.split("=", 1)
+        try:
+            out[k] = int(v)
+        except ValueError:
+            try:
+                out[k] = float(v)
+            except ValueError:
+                out[k] = v
+    return out
+
+
+def emulator_outputs(region: str, inp: dict[str, Any], profile) -> tuple[torch.Tensor, ...]:
+    from emulator import functional as F
+
+    with torch.no_grad():
+        if region == "rope":
+            cos, sin = rope_cos_sin(inp["positions"], inp["q"].shape[-1], inp["base"])
+            return tuple(F.rope(inp[k], cos, sin, profile, style=inp["style"]) for k in ("q", "k"))
+        if region == "swiglu":
+            return (F.swiglu(inp["gate"], inp["up"], profile),)
+        if region == "rmsnorm":
+            return (F.rmsnorm(inp["x"], inp["weight"], inp["eps"], profile),)
+        return F.add_rmsnorm(inp["x"], inp["residual"], inp["weight"], inp["eps"], profile)
+
+
+def compare(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
+    """(elements, bitwise matches, max ULP distance)."""
+    n = m = u = 0
+    for a, b in zip(got, want, strict=True):
+        a, b = a.detach().cpu(), b.detach().cpu()
+        n += a.numel()
+        m += int(bitwise_equal(a, b).sum())
+        d = ulp_distance(a, b) if a.dtype == b.dtype else ulp_distance(a.float(), b.float())
+        u = max(u, int(d.max()) if d.numel() else 0)
+    return n, m, u
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("profile", help="a shipped engine profile (name or path)")
+    ap.add_argument("--seed", type=int, default=1, help="seed of the fresh inputs (must differ from the profile's)")
+    ap.add_argument("--family", action="append", choices=FAMILIES, help="model families to patch (default: all)")
+    ap.add_argument("--rate-tolerance", type=float, default=0.01,
+                    help="how far the match rate of a region the evidence did not match exactly may be from it")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+
+    prof = get_profile(args.profile)
+    e = prof.engine
+    name = prof.canonical_name
+    key = (e.name, e.execution_mode)
+    if key not in MODES:
+        print(f"error: no adapter mode runs {e.name} as {e.execution_mode!r} (profile {name})", file=sys.stderr)
+        return 2
+    if prof.provenance.seed == args.seed:
+        print(f"error: --seed {args.seed} is the seed the profile was probed with; fresh inputs need another",
+              file=sys.stderr)
+        return 2
+    dt = ACT_DTYPES[prof.dtype]
+    t0 = time.perf_counter()
+    adapter = make_adapter(e.name, MODES[key], dt, args.device)
+    info = adapter.info()
+    if (info.version, info.execution_mode) != (e.version, e.execution_mode):
+        print(
+            f"error: this environment runs {info.name} {info.version} ({info.execution_mode}) but the profile is "
+            f"from {e.name} {e.version} ({e.execution_mode}); run with .engines/{e.name}-{e.version}/bin/python",
+            file=sys.stderr,
+        )
+        return 2
+    impls = adapter.regions()
+    print(f"{name}: {info.name} {info.version} {info.execution_mode} loaded in {time.perf_counter() - t0:.1f}s "
+          f"(torch {torch.__version__}); fresh inputs, seed {args.seed}", flush=True)
+
+    rows: list[Row] = []
+    for region in REGIONS:
+        ev = prof.entry(region).evidence
+        impl = impls.get(region)
+        if ev.status != "measured" or impl is None or not hasattr(impl, "fn"):
+            rows.append(Row(region, "emulator", 0, 0, 0, 0, 0.0, 0, False, f"not run: {ev.reason or impl}"))
+            continue
+        exact = ev.match_rate == 1.0
+        ev_ulp = ev.max_ulp or 0
+        # emulator.functional on the evidence's shapes.
+        t1 = time.perf_counter()
+        n = m = u = 0
+        sweep = [_shape(s) for s in ev.shapes]
+        for case in cases(region, sweep=sweep):
+            inp = make_inputs(case, dt, args.seed)
+            a, b, c = compare(emulator_outputs(region, inp, prof), call_engine(region, impl, inp, args.device))
+            n, m, u = n + a, m + b, max(u, c)
+        if exact:
+            ok, note = m == n, "bitwise" if m == n else "must be bitwise"
+        else:
+            ok = abs(m / n - ev.match_rate) <= args.rate_tolerance and u <= ev_ulp
+            note = f"rate within {args.rate_tolerance} of the evidence, <= {ev_ulp} ulp"
+        rows.append(Row(region, "emulator", len(sweep), n, m, u, ev.match_rate, ev_ulp, ok, note,
+                        time.perf_counter() - t1))
+        # The patched model, per family, on its own shapes.
+        for fam in args.family or FAMILIES:
+            from emulator import apply_profile
+            from engineprofiles.models import tiny_model
+            from engineprofiles.probe.adapters.transformers import TransformersAdapter
+
+            t1 = time.perf_counter()
+            model = tiny_model(fam, dtype=dt, device=args.device, **MODEL_WIDTHS)
+            with apply_profile(model, prof):
+                tad = TransformersAdapter(dtype=dt, device=args.device, model=model, label=name)
+                pimpl = tad.regions()[region]
+                n = m = u = 0
+                n2 = m2 = 0
+                sweep = tad.sweep(region)
+                for case in cases(region, sweep=sweep):
+                    inp = make_inputs(case, dt, args.seed)
+                    patched = call_engine(region, pimpl, inp, args.device)
+                    a, b, c = compare(patched, call_engine(region, impl, inp, args.device))
+                    n, m, u = n + a, m + b, max(u, c)
+                    a2, b2, _ = compare(patched, emulator_outputs(region, inp, prof))
+                    n2, m2 = n2 + a2, m2 + b2
+            if exact:
+                ok, note = m == n, "bitwise" if m == n else "must be bitwise"
+            else:
+                ok = u <= ev_ulp and m2 == n2
+                note = f"<= {ev_ulp} ulp; equals the emulator bitwise" + ("" if m2 == n2 else f" FAILED ({n2 - m2} differ)")
+            rows.append(Row(region, f"patched {fam}", len(sweep), n, m, u, ev.match_rate, ev_ulp, ok, note,
+                            time.perf_counter() - t1))
+
+    head = (f"{'region':<12} {'what':<14} {'shapes':>6} {'elements':>8} {'match':>7} {'ulp':>3} {'evidence':>8} "
+            f"{'time':>6}  result")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r.region:<12} {r.part:<14} {r.shapes:>6} {r.elements:>8} {r.rate:>7.4f} {r.max_ulp:>3} "
+              f"{r.evidence_rate:>8.4f} {r.seconds:>5.1f}s  {'ok' if r.ok else 'FAIL'} ({r.note})")
+    bad = [r for r in rows if not r.ok]
+    print(f"{name}: {'all regions reproduce the engine' if not bad else f'{len(bad)} check(s) failed'} "
+          f"({time.perf_counter() - t0:.1f}s)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

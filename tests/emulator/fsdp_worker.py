@@ -1,0 +1,69 @@
+"""FSDP2 (fully_shard) on CPU over gloo with a patched tiny model; run by test_patching.py.
+
+    python -m tests.emulator.fsdp_worker FAMILY PROFILE OUT.pt
+
+Spawns 2 processes; each runs forward + backward on the same batch of a patched tiny model that
+is sharded with fully_shard (once patched before sharding, once sharded before patching); rank 0
+saves the loss, logits and full gradients of both to OUT.pt.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+def batch(model):
+    from engineprofiles.models import tiny_inputs
+
+    return tiny_inputs(model, tokens=24, batch=2, seed=3)
+
+
+def _run(rank: int, family: str, profile: str, out: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from emulator import apply_profile
+        from engineprofiles.models import tiny_model
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        results = {}
+        for order in ("patch-then-shard", "shard-then-patch"):
+            model = tiny_model(family, seed=1)
+            model.train()
+            handle = apply_profile(model, profile) if order == "patch-then-shard" else None
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            if handle is None:
+                handle = apply_profile(model, profile)
+            ids = batch(model)
+            o = model(ids, labels=ids)
+            o.loss.backward()
+            grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+            results[order] = dict(loss=o.loss.detach().clone(), logits=o.logits.detach().clone(), grads=grads,
+                                  emulated=handle.emulated)
+            handle.remove()
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    family, profile, out = sys.argv[1:4]
+    port = 29500 + os.getpid() % 1000
+    mp.spawn(_run, args=(family, profile, out, port), nprocs=WORLD, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,463 @@
+"""emulator.apply_profile: a HF model patched in place rounds where the profile says, trains
+(backward, gradient checkpointing, PEFT, FSDP2), reverts bit for bit, and refuses what does not
+fit without touching the model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import emulator
+from emulator import functional as F
+from emulator.errors import ProfileMismatch, RegionUnavailable
+from emulator.patching import (
+    NATIVE, AlreadyPatched, CompileUnsupported, ResidualStreamLost, UnsupportedModel, patched_modules,
+)
+from engineprofiles.models import tiny_inputs, tiny_model
+from engineprofiles.probe.adapters.transformers import CAPTURE, TransformersAdapter, _register_capture
+from engineprofiles.probe.harness import run_probe
+from engineprofiles.regions import ADD_SPEC, PLAIN_SPEC, REGIONS, rmsnorm_ref, rope_cos_sin, rope_ref
+from engineprofiles.rounding import round_to
+from engineprofiles.schema import make_profile
+from engineprofiles.store import get_profile, shipped_names
+
+from .helpers import assert_same_bits
+
+ROOT = Path(__file__).resolve().parents[2]
+FAMILIES = ("qwen2", "qwen3", "llama")
+ENGINE_PROFILES = [n for n in shipped_names() if not n.startswith("transformers-")]
+TRANSFORMERS_PROFILE = next(n for n in shipped_names() if n.startswith("transformers-"))
+ALL_EMULATED = "vllm-0.32.0-cpu-inductor-bfloat16"  # every region differs from HF's own
+
+
+def fwd_bwd(model, ids):
+    """Logits and the gradient of every parameter of one training step (loss = LM loss on ids)."""
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach().clone(), grads
+
+
+def assert_same_step(a, b, what):
+    assert_same_bits(a[0], b[0], f"{what}: logits")
+    assert a[1].keys() == b[1].keys(), f"{what}: different parameters got gradients"
+    for n in a[1]:
+        assert_same_bits(a[1][n], b[1][n], f"{what}: grad of {n}")
+
+
+def model_state(model):
+    """Everything apply_profile could change: per-instance forwards, hooks, classes, parameter bits."""
+    mods = {
+        n: (m.__dict__.get("forward"), type(m), tuple(m._forward_pre_hooks.items()), tuple(m._forward_hooks.items()),
+            sorted(k for k in m.__dict__ if k.startswith("_emulator")))
+        for n, m in model.named_modules()
+    }
+    params = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    return mods, params
+
+
+def assert_untouched(model, before):
+    mods, params = model_state(model)
+    assert mods == before[0], "apply_profile changed a module although it refused the model"
+    for n in params:
+        assert_same_bits(params[n], before[1][n], n)
+
+
+def profile_with(base: str, **sites):
+    """A profile like shipped ``base`` with some sites changed (region.site=value); synthetic."""
+    prof = get_profile(base)
+    points = {}
+    for r, spec in REGIONS.items():
+        p = dict(prof.point(r))
+        p.update({k.split(".", 1)[1]: v for k, v in sites.items() if k.split(".", 1)[0] == r})
+        points[r] = spec.point(p)
+    return make_profile(
+        engine=prof.engine.model_copy(update={"name": "synthetic"}), dtype=prof.dtype, points=points,
+        provenance=dict(date="2026-12-02T00:00:00Z", probe_version="1", package_version="0.1.0", method="synthetic",
+                        command="pytest"),
+    )
+
+
+@pytest.fixture(scope="module")
+def models():
+    """One tiny model per family (fresh copies are cheap; these are for read-only use)."""
+    return {f: tiny_model(f, seed=1) for f in FAMILIES}
+
+
+# -- what HF computes, and the identity ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_points_are_what_the_installed_transformers_computes(family, models):
+    probed, _ = run_probe(TransformersAdapter(model=models[family]), seed=3)
+    for r in REGIONS:
+        assert probed.point(r) == REGIONS[r].canonicalize(NATIVE[r]), r
+        assert probed.entry(r).evidence.match_rate == 1.0
+    shipped = get_profile(TRANSFORMERS_PROFILE)
+    assert all(shipped.point(r) == probed.point(r) for r in REGIONS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_applying_the_installed_transformers_profile_changes_no_bit_of_logits_or_gradients(family):
+    model = tiny_model(family, seed=1)
+    model.train()
+    ids = tiny_inputs(model, 24, batch=2, seed=3)
+    probed, _ = run_probe(TransformersAdapter(model=model), seed=3)  # the profile of the installed transformers
+    before = fwd_bwd(model, ids)
+    with emulator.apply_profile(model, probed) as handle:
+        assert handle.emulated == () and handle.native == tuple(REGIONS)
+        assert_same_step(fwd_bwd(model, ids), before, "patched with the transformers profile")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_emulating_every_region_at_the_transformers_profile_reproduces_hf_logits_bitwise(family):
+    model = tiny_model(family, seed=1)
+    model.train()
+    ids = tiny_inputs(model, 24, batch=2, seed=3)
+    hf_logits, hf_grads = fwd_bwd(model, ids)
+    with emulator.apply_profile(model, TRANSFORMERS_PROFILE, skip_native=False) as handle:
+        assert handle.emulated == tuple(REGIONS)
+        logits, grads = fwd_bwd(model, ids)
+    # The forward runs entirely through the emulator (residual path included) and is HF's, bit for
+    # bit. The backward is the emulator's straight-through FP32 gradient, not HF's BF16 autograd
+    # chain, so it differs by rounding noise only: every parameter gets a gradient close to HF's.
+    assert_same_bits(logits, hf_logits, "logits")
+    assert grads.keys() == hf_grads.keys()
+    for n, g in grads.items():
+        ref = hf_grads[n].float()
+        assert torch.isfinite(g).all() and g.abs().max() > 0, n
+        rel = float((g.float() - ref).norm() / ref.norm())
+        assert rel < 2e-2, f"{n}: gradient differs from HF's by {rel:.3g} (relative)"
+
+
+@pytest.mark.parametrize("profile", ENGINE_PROFILES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_regions_and_emulated_regions_compute_the_same_forward(family, profile):
+    # skip_native keeps HF's module where the profile's point is HF's own; it must not change a bit.
+    model = tiny_model(family, seed=2)
+    ids = tiny_inputs(model, 20, batch=2, seed=4)
+    with torch.no_grad():
+        with emulator.apply_profile(model, profile) as h:
+            kept = model(ids).logits
+        with emulator.apply_profile(model, profile, skip_native=False):
+            emulated = model(ids).logits
+        plain = model(ids).logits
+    assert_same_bits(kept, emulated, f"{profile} {h.native} native vs emulated")
+    assert not torch.equal(kept, plain), "the profile should change the logits of this model"
+
+
+# -- the engine's residual path -------------------------------------------------------------------
+
+
+def engine_forward(model, ids, prof):
+    """The engine's layer semantics, written out: layer 0 plain norm, the residual add fused into
+    every later norm and the final one, the residual kept in the profile's precision."""
+    act = torch.bfloat16
+    dec = model.model
+    h = dec.embed_tokens(ids)
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+    pe = dec.rotary_emb(h, pos)
+    m = residual = None
+    for i, layer in enumerate(dec.layers):
+        ln = layer.input_layernorm
+        if i == 0:
+            residual = h
+            x = F.rmsnorm(h, ln.weight, ln.variance_epsilon, prof).to(act)
+        else:
+            x, residual = F.add_rmsnorm(m, residual, ln.weight, ln.variance_epsilon, prof)
+        a, _ = layer.self_attn(hidden_states=x, position_embeddings=pe, attention_mask=None)
+        ln = layer.post_attention_layernorm
+        x2, residual = F.add_rmsnorm(a, residual, ln.weight, ln.variance_epsilon, prof)
+        m = layer.mlp(x2)
+    out, _ = F.add_rmsnorm(m, residual, dec.norm.weight, dec.norm.variance_epsilon, prof)
+    return model.lm_head(out), residual.dtype
+
+
+FP32_STREAM = dict(**{"add_rmsnorm.residual_out": "fp32", "rmsnorm.output": "fp32"})
+
+
+@pytest.mark.parametrize("profile", [*ENGINE_PROFILES, "fp32-residual-stream"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_layers_run_the_engines_residual_path(family, profile):
+    prof = profile_with(ALL_EMULATED, **FP32_STREAM) if profile == "fp32-residual-stream" else get_profile(profile)
+    model = tiny_model(family, seed=5, num_hidden_layers=3)
+    ids = tiny_inputs(model, 17, batch=2, seed=6)
+    with torch.no_grad(), emulator.apply_profile(model, prof, skip_native=False):
+        out = model(ids, output_hidden_states=True)
+        want, stream = engine_forward(model, ids, prof)
+    assert_same_bits(out.logits, want, "patched model vs the engine's layer semantics")
+    # Between layers the hidden state is m + residual in the residual's precision.
+    assert [h.dtype for h in out.hidden_states[1:-1]] == [stream] * 2
+    assert stream == (torch.float32 if profile == "fp32-residual-stream" else torch.bfloat16)
+
+
+def test_qwen3_qk_norm_hands_its_fp32_output_to_rope():
+    prof = profile_with(ALL_EMULATED, **FP32_STREAM)
+    model = tiny_model("qwen3", seed=7)
+    _register_capture()
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(1, 9, model.config.hidden_size, generator=g).to(torch.bfloat16)
+    pos = torch.arange(9).unsqueeze(0) * 997
+    with torch.no_grad(), emulator.apply_profile(model, prof):
+        old, attn.config._attn_implementation = attn.config._attn_implementation, CAPTURE
+        try:
+            attn(hidden_states=x, position_embeddings=model.model.rotary_emb(x, pos), attention_mask=None)
+        finally:
+            attn.config._attn_implementation = old
+        q = attn.__dict__.pop("_engineprofiles_qk")[0].transpose(1, 2)
+        qn = rmsnorm_ref(attn.q_proj(x).view(1, 9, -1, attn.head_dim), attn.q_norm.weight, 1e-6, prof.point("rmsnorm"),
+                         dtype=torch.bfloat16)
+    assert qn.dtype == torch.float32
+    cos, sin = rope_cos_sin(pos, attn.head_dim, model.config.rope_parameters["rope_theta"])
+    assert_same_bits(q, rope_ref(qn, cos, sin, prof.point("rope"), dtype=torch.bfloat16), "q after norm + rope")
+    rounded_first = rope_ref(round_to(qn, torch.bfloat16).to(torch.bfloat16), cos, sin, prof.point("rope"))
+    assert not torch.equal(q, rounded_first), "the test inputs cannot tell an FP32 hand-off from a rounded one"
+
+
+def test_a_later_layer_fed_a_foreign_hidden_state_refuses_to_guess():
+    model = tiny_model("qwen2", seed=1)
+    with emulator.apply_profile(model, ALL_EMULATED):
+        x = torch.randn(1, 5, model.config.hidden_size).to(torch.bfloat16)
+        pos = torch.arange(5).unsqueeze(0)
+        with pytest.raises(ResidualStreamLost, match="model.layers.1"):
+            model.model.layers[1](x, position_ids=pos, position_embeddings=model.model.rotary_emb(x, pos))
+        with pytest.raises(ResidualStreamLost, match="model.norm"):
+            model.model.norm(x)
+
+
+def test_the_stash_holds_nothing_after_a_forward():
+    model = tiny_model("llama", seed=1)
+    ids = tiny_inputs(model, 16)
+    with emulator.apply_profile(model, ALL_EMULATED) as h:
+        with torch.no_grad():
+            model(ids)
+        assert len(h._stashes[0]) == 0
+        model.train()
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        del out
+        model(ids[:, :4])  # the next forward drops whatever the last one left
+        assert len(h._stashes[0]) == 0
+
+
+# -- training ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_recomputes_the_same_bits(reentrant):
+    model = tiny_model("qwen3", seed=1)
+    model.train()
+    ids = tiny_inputs(model, 24, batch=2, seed=3)
+    with emulator.apply_profile(model, profile_with(ALL_EMULATED, **FP32_STREAM)):
+        plain = fwd_bwd(model, ids)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        assert all(layer.gradient_checkpointing for layer in model.model.layers)
+        checkpointed = fwd_bwd(model, ids)
+        model.gradient_checkpointing_disable()
+    assert_same_step(checkpointed, plain, f"gradient checkpointing (use_reentrant={reentrant})")
+
+
+def test_a_peft_lora_model_is_patched_by_module_class():
+    peft = pytest.importorskip("peft", reason="peft is a test dependency (scripts/requirements-dev.txt)")
+    base = tiny_model("qwen3", seed=1)
+    ids = tiny_inputs(base, 16, batch=2, seed=2)
+    with torch.no_grad(), emulator.apply_profile(base, ALL_EMULATED):
+        want = base(ids).logits
+    cfg = peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "down_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(tiny_model("qwen3", seed=1), cfg)
+    model.train()
+    before = fwd_bwd(model, ids)
+    with emulator.apply_profile(model, ALL_EMULATED) as h:
+        assert any(p.startswith("base_model.model.model.layers.1") for p in h.modules)
+        with torch.no_grad():
+            assert_same_bits(model(ids).logits, want, "LoRA (B = 0) on the patched model")
+        _, grads = fwd_bwd(model, ids)
+        lora = [n for n in grads if "lora_" in n]
+        assert len(lora) == 2 * 5 * model.config.num_hidden_layers
+        assert all(grads[n].abs().max() > 0 for n in lora if "lora_B" in n)
+    assert_same_step(fwd_bwd(model, ids), before, "PEFT model after remove()")
+
+
+def test_fsdp2_fully_shard_on_cpu_over_gloo_gives_the_unsharded_bits(tmp_path):
+    out = tmp_path / "fsdp.pt"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "tests.emulator.fsdp_worker", "qwen3", ALL_EMULATED, str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"FSDP2 run failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    got = torch.load(out)
+    from .fsdp_worker import batch
+
+    model = tiny_model("qwen3", seed=1)
+    model.train()
+    ids = batch(model)
+    with emulator.apply_profile(model, ALL_EMULATED) as h:
+        want = fwd_bwd(model, ids)
+    for order in ("patch-then-shard", "shard-then-patch"):
+        assert got[order]["emulated"] == h.emulated == tuple(REGIONS)
+        assert_same_step((got[order]["logits"], got[order]["grads"]), want, f"FSDP2 ({order})")
+
+
+def test_generation_with_a_kv_cache_runs_on_a_patched_model():
+    model = tiny_model("qwen2", seed=1)
+    ids = tiny_inputs(model, 8)
+    with emulator.apply_profile(model, ALL_EMULATED):
+        out = model.generate(ids, max_new_tokens=4, do_sample=False)
+        full = model(out[:, :-1]).logits.argmax(-1)[:, ids.shape[1] - 1:]
+    assert out.shape == (1, 12)
+    # Greedy decoding picked, at each step, the argmax of the patched model on its own prefix.
+    assert torch.equal(full, out[:, ids.shape[1]:])
+
+
+# -- revert --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_remove_restores_the_original_model_bit_for_bit(family):
+    model = tiny_model(family, seed=1)
+    model.train()
+    ids = tiny_inputs(model, 24, batch=2, seed=3)
+    state = model_state(model)
+    before = fwd_bwd(model, ids)
+    # Every region emulated, an FP32 residual stream, FP32 q/k norm outputs: every binding and hook.
+    handle = emulator.apply_profile(model, profile_with(ALL_EMULATED, **FP32_STREAM), skip_native=False)
+    assert handle.active and len(dict(patched_modules(model))) == len(handle.modules)
+    fwd_bwd(model, ids)
+    handle.remove()
+    handle.remove()  # idempotent
+    assert not handle.active and not dict(patched_modules(model))
+    assert_untouched(model, state)
+    assert_same_step(fwd_bwd(model, ids), before, "after remove()")
+
+
+def test_the_handle_is_a_context_manager_and_says_what_it_patched():
+    model = tiny_model("qwen3", seed=1)
+    with emulator.apply_profile(model, "sglang-0.5.23-cpu-eager-bfloat16") as h:
+        assert isinstance(h, emulator.PatchHandle)
+        assert h.emulated == ("add_rmsnorm", "rmsnorm") and h.native == ("rope", "swiglu")
+        assert "model.layers.0.self_attn.q_norm" in h.modules and "model.norm" in h.modules
+        assert "sglang-0.5.23" in repr(h) and "active" in repr(h)
+    assert not dict(patched_modules(model))
+
+
+# -- refusals: each leaves the model untouched ----------------------------------------------------
+
+
+def test_an_unsupported_model_is_refused_with_the_supported_families():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    model = MistralForCausalLM(cfg).to(torch.bfloat16)
+    state = model_state(model)
+    with pytest.raises(UnsupportedModel) as e:
+        emulator.apply_profile(model, ALL_EMULATED)
+    for text in ("MistralForCausalLM", "qwen2", "Qwen2.5", "qwen3", "llama", "LlamaModel"):
+        assert text in str(e.value)
+    assert_untouched(model, state)
+    with pytest.raises(UnsupportedModel):
+        emulator.apply_profile(torch.nn.Linear(4, 4), ALL_EMULATED)
+
+
+def test_a_profile_of_another_dtype_is_refused():
+    model = tiny_model("llama", seed=1, dtype="float32")
+    state = model_state(model)
+    with pytest.raises(ProfileMismatch, match=r"float32.*bfloat16"):
+        emulator.apply_profile(model, ALL_EMULATED)
+    assert_untouched(model, state)
+    model = tiny_model("llama", seed=1)
+    fp16 = get_profile(ALL_EMULATED).model_copy(update={"dtype": "float16"})
+    state = model_state(model)
+    with pytest.raises(ProfileMismatch, match="float16"):
+        emulator.apply_profile(model, fp16)
+    assert_untouched(model, state)
+
+
+def test_a_profile_with_an_unavailable_region_is_refused():
+    prof = get_profile(ALL_EMULATED)
+    points = {r: prof.point(r) for r in REGIONS}
+    points["swiglu"] = None
+    bad = make_profile(engine=prof.engine, dtype="bfloat16", points=points,
+                       evidence={"swiglu": {"reason": "no SiluAndMul kernel on this device"}},
+                       provenance=prof.provenance)
+    model = tiny_model("qwen2", seed=1)
+    state = model_state(model)
+    with pytest.raises(RegionUnavailable, match="swiglu.*no SiluAndMul kernel"):
+        emulator.apply_profile(model, bad)
+    assert_untouched(model, state)
+
+
+@pytest.mark.parametrize("change", ["rope_type", "attention_scaling", "replaced_mlp", "gelu", "instance_forward"])
+def test_a_model_the_patch_cannot_reproduce_is_refused(change):
+    if change == "rope_type":
+        model = tiny_model("qwen2", seed=1, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6})
+        match = "rope_type 'linear'"
+    else:
+        model = tiny_model("qwen2", seed=1, **({"hidden_act": "gelu"} if change == "gelu" else {}))
+        match = {"attention_scaling": "attention_scaling", "replaced_mlp": r"model.layers.1.mlp is a Sequential",
+                 "gelu": "hidden_act is 'gelu'", "instance_forward": "per-instance forward"}[change]
+    if change == "attention_scaling":
+        model.model.rotary_emb.attention_scaling = 0.5
+    if change == "replaced_mlp":
+        model.model.layers[1].mlp = torch.nn.Sequential()
+    if change == "instance_forward":
+        mlp = model.model.layers[1].mlp
+        mlp.forward = mlp.forward  # what accelerate's hooks do: a bound forward on the instance
+    state = model_state(model)
+    with pytest.raises(UnsupportedModel, match=match):
+        emulator.apply_profile(model, ALL_EMULATED)
+    assert_untouched(model, state)
+
+
+def test_applying_twice_is_an_error_and_keeps_the_first_patch():
+    model = tiny_model("qwen3", seed=1)
+    ids = tiny_inputs(model, 12)
+    for first in (ALL_EMULATED, TRANSFORMERS_PROFILE):  # the second patches no forward at all
+        with emulator.apply_profile(model, first) as h:
+            with torch.no_grad():
+                want = model(ids).logits
+            state = model_state(model)
+            for second in (first, "sglang-0.5.23-cpu-eager-bfloat16"):
+                with pytest.raises(AlreadyPatched, match="remove"):
+                    emulator.apply_profile(model, second)
+            assert_untouched(model, state)
+            with torch.no_grad():
+                assert_same_bits(model(ids).logits, want, "first patch after a refused second one")
+            assert h.active
+
+
+def test_a_compiled_model_is_refused():
+    model = tiny_model("qwen2", seed=1)
+    compiled = torch.compile(model)
+    state = model_state(model)
+    with pytest.raises(CompileUnsupported, match="torch.compile"):
+        emulator.apply_profile(compiled, ALL_EMULATED)
+    model.model.layers[0].compile()
+    with pytest.raises(CompileUnsupported, match="model.layers.0"):
+        emulator.apply_profile(model, ALL_EMULATED)
+    model.model.layers[0]._compiled_call_impl = None
+    assert_untouched(model, state)
+
+
+@pytest.mark.parametrize("how", ["model", "layer"])
+def test_compiling_a_patched_model_fails_with_a_clear_message(how):
+    model = tiny_model("qwen2", seed=1)
+    ids = tiny_inputs(model, 8)
+    torch._dynamo.reset()
+    try:
+        with emulator.apply_profile(model, TRANSFORMERS_PROFILE), torch.no_grad():
+            if how == "model":
+                run = torch.compile(model)
+            else:
+                model.model.layers[1].compile()
+                run = model
+            with pytest.raises(Exception, match="cannot be compiled with torch.compile"):
+                run(ids)
+    finally:
+        torch._dynamo.reset()
