@@ -48,6 +48,9 @@ def _full_hidden(calls: list, n: int):
 
 def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed: int, mode: str = "default") -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: apply_model reaches the live model
+    # vLLM's CPU worker reserves most of the machine's memory for the KV cache by default; a tiny
+    # model needs little (GiB).
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
     import vllm
     from vllm import LLM, SamplingParams
