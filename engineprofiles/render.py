@@ -164,6 +164,7 @@ def mismatch_plot(rep, path: str) -> None:
     axes[1].barh(names, [m.abs_dlogp_mean for _, m in rep.rows])
     axes[1].set_xlabel("mean |logp_train - logp_engine|")
     axes[1].set_yticklabels([])
+    axes[1].ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
     e = rep.engine
     fig.suptitle(f"{e['name']} {e['version']} vs HF trainer ({rep.family})")
     fig.tight_layout()
