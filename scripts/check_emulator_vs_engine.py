@@ -18,6 +18,13 @@ evidence's shapes must be within --rate-tolerance of the evidence's and no misma
 than the evidence's max_ulp; the patched model must then equal the emulator bitwise (it computes
 the profile's point), and no further from the engine than max_ulp.
 
+An in-situ profile (provenance.method in-situ) was fitted to the tensors the engine materializes
+when it runs a whole tiny model; for it the engine runs a fresh tiny model of the profile's family
+(new weights and prompts, engineprofiles.insitu.capture) and the patched trainer, teacher-forced
+with the engine's attention outputs, must match the captured q/k of every layer and the final
+hidden states as often as the evidence says (within --rate-tolerance; exactly where the evidence
+matched exactly).
+
 Prints a table; exit 0 all pass, 1 any fails, 2 the environment does not fit the profile.
 """
 
@@ -120,6 +127,7 @@ def main() -> int:
     ap.add_argument("--family", action="append", choices=FAMILIES, help="model families to patch (default: all)")
     ap.add_argument("--rate-tolerance", type=float, default=0.01,
                     help="how far the match rate of a region the evidence did not match exactly may be from it")
+    ap.add_argument("--region", action="append", choices=list(REGIONS), help="check only this region (repeatable)")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
 
@@ -136,6 +144,9 @@ def main() -> int:
         return 2
     dt = ACT_DTYPES[prof.dtype]
     t0 = time.perf_counter()
+    if prof.provenance.method == "in-situ":
+        rows = check_in_situ(prof, args)
+        return report(name, rows, t0)
     adapter = make_adapter(e.name, MODES[key], dt, args.device)
     info = adapter.info()
     if (info.version, info.execution_mode) != (e.version, e.execution_mode):
@@ -150,7 +161,7 @@ def main() -> int:
           f"(torch {torch.__version__}); fresh inputs, seed {args.seed}", flush=True)
 
     rows: list[Row] = []
-    for region in REGIONS:
+    for region in args.region or REGIONS:
         ev = prof.entry(region).evidence
         impl = impls.get(region)
         if ev.status != "measured" or impl is None or not hasattr(impl, "fn"):
@@ -202,12 +213,64 @@ def main() -> int:
             rows.append(Row(region, f"patched {fam}", len(sweep), n, m, u, ev.match_rate, ev_ulp, ok, note,
                             time.perf_counter() - t1))
 
+    return report(name, rows, t0)
+
+
+def check_in_situ(prof, args) -> list[Row]:
+    """Capture a fresh tiny model in the engine (a subprocess of this python), compare in situ."""
+    import os
+    import subprocess
+    import tempfile
+
+    from emulator import apply_profile
+    from engineprofiles.insitu.fit import compare
+    from engineprofiles.models import tiny_model
+
+    e = prof.engine
+    if e.name != "vllm":
+        raise SystemExit(f"error: in-situ capture exists for vllm only, not {e.name}")
+    family = str(e.settings.get("in_situ_family") or "qwen2")
+    model = tiny_model(family, seed=args.seed, dtype=ACT_DTYPES[prof.dtype])
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(os.path.join(tmp, "model"))
+        out = os.path.join(tmp, "capture.pt")
+        mode = "eager" if e.execution_mode == "eager" else "default"
+        cmd = [sys.executable, "-m", "engineprofiles.insitu.capture", e.name, "--model", os.path.join(tmp, "model"),
+               "--out", out, "--prompts", "4", "--max-tokens", "16", "--seed", str(args.seed), "--mode", mode]
+        print(f"capturing {e.name} {e.version} on a fresh tiny {family} model (seed {args.seed})", flush=True)
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"error: the capture failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+        cap = torch.load(out, weights_only=False)
+    if (cap["engine"]["name"], cap["engine"]["version"]) != (e.name, e.version):
+        raise SystemExit(f"error: captured {cap['engine']} but the profile is from {e.name} {e.version}")
+    t1 = time.perf_counter()
+    with apply_profile(model, prof):
+        res = compare(model, cap, prof.canonical_name)
+    secs = time.perf_counter() - t1
+    ev = prof.entry("rope").evidence  # every region of an in-situ profile carries the same evidence
+    per = {s.shape: s.match_rate for s in ev.per_shape}
+    rows = []
+    for part, lm in res.layers.items():
+        want = per.get(part)
+        ok = lm.matched == lm.total if want == 1.0 else True
+        rows.append(Row("in situ", part, 1, lm.total, lm.matched, -1, want if want is not None else float("nan"), 0,
+                        ok, "bitwise, as in the evidence" if want == 1.0 else "see total", secs))
+    tot = res.total
+    ok = abs(tot.rate - ev.match_rate) <= args.rate_tolerance
+    rows.append(Row("in situ", "total", len(res.layers), tot.total, tot.matched, -1, ev.match_rate, 0, ok,
+                    f"rate within {args.rate_tolerance} of the evidence", secs))
+    return rows
+
+
+def report(name: str, rows: list[Row], t0: float) -> int:
     head = (f"{'region':<12} {'what':<14} {'shapes':>6} {'elements':>8} {'match':>7} {'ulp':>3} {'evidence':>8} "
             f"{'time':>6}  result")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r.region:<12} {r.part:<14} {r.shapes:>6} {r.elements:>8} {r.rate:>7.4f} {r.max_ulp:>3} "
+        ulp = str(r.max_ulp) if r.max_ulp >= 0 else "-"
+        print(f"{r.region:<12} {r.part:<14} {r.shapes:>6} {r.elements:>8} {r.rate:>7.4f} {ulp:>3} "
               f"{r.evidence_rate:>8.4f} {r.seconds:>5.1f}s  {'ok' if r.ok else 'FAIL'} ({r.note})")
     bad = [r for r in rows if not r.ok]
     print(f"{name}: {'all regions reproduce the engine' if not bad else f'{len(bad)} check(s) failed'} "

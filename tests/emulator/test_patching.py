@@ -21,7 +21,7 @@ from emulator.patching import (
 from engineprofiles.models import tiny_inputs, tiny_model
 from engineprofiles.probe.adapters.transformers import CAPTURE, TransformersAdapter, _register_capture
 from engineprofiles.probe.harness import run_probe
-from engineprofiles.regions import ADD_SPEC, PLAIN_SPEC, REGIONS, rmsnorm_ref, rope_cos_sin, rope_ref
+from engineprofiles.regions import REGIONS, rmsnorm_ref, rope_cos_sin, rope_ref
 from engineprofiles.rounding import round_to
 from engineprofiles.schema import make_profile
 from engineprofiles.store import get_profile, shipped_names
