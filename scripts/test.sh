@@ -6,7 +6,9 @@ REPO=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
 PY=$(scripts/dev_env.sh)
 # Real engines are probed by tests/engines: their environments are part of the set-up.
+# (every engine version a shipped profile names: the patched trainer is checked against each).
 scripts/engine_env.sh vllm 0.32.0 >/dev/null
+scripts/engine_env.sh vllm 0.28.0 >/dev/null
 scripts/engine_env.sh sglang 0.5.23 >/dev/null
 set +e
 "$PY" -m pytest "$@"
