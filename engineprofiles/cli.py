@@ -265,7 +265,7 @@ def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Op
         except EngineProfilesError:
             raise EngineProfilesError(
                 f"the in-situ fit starts from the op-level profile {start_name}; make it first with "
-                f"`scripts/probe.sh {engine} {version} --ship`"
+                f"`scripts/probe.sh {engine} {version} --op-level --ship`"
             ) from None
         note(f"fitting in situ from {start_name} ({len(cap['sequences'])} sequences)")
         fit = fit_profile(model, cap, start, note=note)
@@ -304,13 +304,19 @@ def _engine_command(engine: str):
             None, help="engine environment (venv folder, python or version) when the engine is not importable here"
         ),
         print_yaml: bool = typer.Option(False, "--yaml", help="also print the YAML"),
-        in_situ: bool = typer.Option(
-            False, "--in-situ", help="run the whole engine on a tiny model and fit the profile in situ (vllm)"
+        in_situ: Optional[bool] = typer.Option(
+            None, "--in-situ/--op-level",
+            help="in situ: run the whole engine on a tiny model and fit the profile from what it materializes "
+            "(the default for vLLM's compiled mode on CPU, where fusion spans layers); op-level: probe each "
+            "region's own code (the default elsewhere, and the start of the in-situ fit)",
         ),
-        family: str = typer.Option("qwen2", help="--in-situ: tiny model family (qwen2, qwen3, llama)"),
-        capture: Optional[str] = typer.Option(None, help="--in-situ: reuse a capture file"),
-        prompts: int = typer.Option(4, help="--in-situ: number of sequences"),
+        family: str = typer.Option("qwen2", help="in situ: tiny model family (qwen2, qwen3, llama)"),
+        capture: Optional[str] = typer.Option(None, help="in situ: reuse a capture file"),
+        prompts: int = typer.Option(4, help="in situ: number of sequences"),
     ) -> None:
+        if in_situ is None:
+            in_situ = engine == "vllm" and mode in ("default", "compiled") and device == "cpu" and region is None \
+                and not quick
         if in_situ:
             if engine != "vllm":
                 _fail(EngineProfilesError("--in-situ is implemented for vllm (SGLang's CPU engine runs eagerly)"))

@@ -84,7 +84,10 @@ def engine_python(engine: str, env: str | None) -> Path:
 
 def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_tokens: int, seed: int,
                 env: str | None, note: Callable[[str], None]) -> dict[str, Any]:
-    py = engine_python(engine, env)
+    from ..probe import runner
+
+    # Inside the engine's own environment (scripts/probe.sh runs there) capture with this python.
+    py = Path(sys.executable) if (runner.engine_importable(engine) and env is None) else engine_python(engine, env)
     note(f"running {engine} from {py.parent.parent.name} on the tiny model (engine start-up takes minutes)")
     cmd = [str(py), "-m", "engineprofiles.insitu.capture", engine, "--model", str(model_dir), "--out", str(out),
            "--prompts", str(prompts), "--max-tokens", str(max_tokens), "--seed", str(seed)]

@@ -44,7 +44,7 @@ def test_real_engine_probe_agrees_with_the_shipped_profile(engine, version, ship
             "(scripts/test.sh does this). Engine tests are not skipped.",
             pytrace=False,
         )
-    new = _probe(python, engine, tmp_path / "probed.yaml")
+    new = _probe(python, engine, tmp_path / "probed.yaml", "--op-level")
     old = get_profile(shipped)
     d = diff_profiles(old, new, shipped, "probed now")
     print(d.to_markdown())
