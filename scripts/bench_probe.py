@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_probe.py [vllm|sglang|transformers] [--env VERSION]
 
-Runs `probe-engine ENGINE` (in the engine's environment) twice with the same fresh Inductor cache
+Runs `probe-engine ENGINE` (op-level, in the engine's environment) twice with the same fresh Inductor cache
 folder, and prints the wall time of each run and the time per region, side by side. Absolute
 times depend on the machine and on what else runs on it; the numbers hold for this run only.
 """
@@ -24,6 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 def run(engine: str, env: str | None, cache: str, timings: str) -> tuple[float, dict]:
     e = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, ENGINEPROFILES_TIMINGS=timings)
     cmd = [str(REPO / ".venv" / "bin" / "probe-engine"), engine, "-o", "-"]
+    if engine == "vllm":
+        cmd.append("--op-level")  # the per-region probe; in situ starts a whole engine
     if env:
         cmd += ["--env", env]
     t = time.perf_counter()
