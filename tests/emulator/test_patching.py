@@ -265,7 +265,7 @@ def test_gradient_checkpointing_recomputes_the_same_bits(reentrant):
 
 
 def test_a_peft_lora_model_is_patched_by_module_class():
-    peft = pytest.importorskip("peft", reason="peft is a test dependency (scripts/requirements-dev.txt)")
+    import peft  # a test dependency (scripts/requirements-dev.txt): missing is a failure, not a skip
     base = tiny_model("qwen3", seed=1)
     ids = tiny_inputs(base, 16, batch=2, seed=2)
     with torch.no_grad(), emulator.apply_profile(base, ALL_EMULATED):
