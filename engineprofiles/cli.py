@@ -276,12 +276,7 @@ def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Op
     except EngineProfilesError as e:
         _fail(e)
     render.show(profile, out)
-    t = Table(title="in situ: match per layer, op-level start vs fitted")
-    for col in ("tensor", "op-level profile", "in-situ fit"):
-        t.add_column(col)
-    for k, v in fit.best.layers.items():
-        t.add_row(k, f"{100 * fit.start.layers[k].rate:.2f}%", f"{100 * v.rate:.2f}%")
-    out.print(t)
+    out.print(render.in_situ_table(fit))
     if print_yaml or target is None:
         out.print(profile.to_yaml(), highlight=False, markup=False, soft_wrap=True)
     if target is not None:

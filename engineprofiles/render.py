@@ -169,3 +169,30 @@ def mismatch_plot(rep, path: str) -> None:
     fig.suptitle(f"{e['name']} {e['version']} vs HF trainer ({rep.family})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def in_situ_table(fit) -> Table:
+    """Bitwise match per captured tensor: the op-level start, the fitted profile, and for each
+    region the best candidate with other rounding sites there (the runner-up)."""
+    from .regions import REGIONS
+
+    runners = []
+    for region, results in fit.candidates.items():
+        spec = REGIONS[region]
+        win = fit.points[region]
+        others = [(r.total.matched, p, r) for p, r in results if spec.site_part(p) != spec.site_part(win)]
+        if others:
+            m, p, r = max(others, key=lambda x: x[0])
+            runners.append((f"runner-up {region}", p, r))
+    t = Table(title="in situ: bitwise match per captured tensor")
+    t.add_column("tensor")
+    t.add_column("op-level start")
+    t.add_column("in-situ fit")
+    for name, _, _ in runners:
+        t.add_column(name)
+    for k, v in fit.best.layers.items():
+        t.add_row(k, f"{100 * fit.start.layers[k].rate:.2f}%", f"{100 * v.rate:.2f}%",
+                  *[f"{100 * r.layers[k].rate:.2f}%" for _, _, r in runners])
+    for name, p, _ in runners:
+        t.caption = (t.caption + "\n" if t.caption else "") + f"{name}: {p.label()}"
+    return t
