@@ -6,8 +6,10 @@ model, so PEFT-wrapped and already-instantiated models work):
 
 * SwiGLU: the MLP computes ``down_proj(swiglu(gate_proj(x), up_proj(x)))``.
 * RoPE: the attention applies ``functional.rope`` to q and k with FP32 cos/sin (the rotary
-  embedding returns them in FP32, computed as :func:`engineprofiles.regions.rope_cos_sin` does);
-  Qwen3's q/k norms are plain RMSNorm sites, and an FP32 ``output`` is handed on to RoPE.
+  embedding returns them in FP32, computed from ``rope_theta`` as
+  :func:`engineprofiles.regions.rope_cos_sin` does, as engines do, whatever the dtype of HF's
+  ``inv_freq`` buffer); Qwen3's q/k norms are plain RMSNorm sites, and an FP32 ``output`` is
+  handed on to RoPE.
 * Residual RMSNorm: the decoder layer runs the engine's residual path, where the add is fused
   into the next norm. Per layer ``i`` (``m`` = MLP output, ``a`` = attention output)::
 
@@ -30,6 +32,7 @@ model, so PEFT-wrapped and already-instantiated models work):
 Regions whose profile point is the one HF's own module computes (:data:`NATIVE`) are left as
 they are unless ``skip_native=False``: HF's code already rounds there, and its autograd backward
 is kept, so applying the trainer's own profile changes no bit of the outputs or the gradients.
+(RoPE is emulated anyway when the model's ``inv_freq`` buffer was rounded by ``model.to(dtype)``.)
 Emulated regions use the emulator's straight-through FP32 backward.
 
 All or nothing: every check runs before anything changes; a refused model is untouched.
@@ -309,6 +312,7 @@ class _Decoder:
     classes: dict[str, Any]
     rope_theta: float = 0.0
     rotary_dim: int = 0
+    inv_freq_exact: bool = True  # HF's inv_freq buffer holds the FP32 frequencies engines use
     layers: list[torch.nn.Module] = field(default_factory=list)
 
 
@@ -376,6 +380,11 @@ def _check_decoder(d: _Decoder) -> None:
             f"{p}.rotary_emb rotates {rotary_dim} of {head_dim} lanes; only full-head RoPE is supported"
         )
     d.rope_theta, d.rotary_dim, d.layers = float(theta), rotary_dim, layers
+    # ``model.to(torch.bfloat16)`` also rounds the rotary embedding's FP32 inv_freq buffer, and HF
+    # then rotates by rounded frequencies, which no engine does; such a model gets the emulator's
+    # RoPE (cos/sin from rope_theta in FP32) even where HF's RoPE has the profile's rounding sites.
+    exact = 1.0 / (float(theta) ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    d.inv_freq_exact = rot.inv_freq.dtype == torch.float32 and torch.equal(rot.inv_freq.detach().cpu(), exact)
 
 
 def _check_dtype(d: _Decoder, profile: Profile, act: torch.dtype) -> None:
@@ -576,7 +585,7 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     emulate = {r: (not skip_native) or points[r] != REGIONS[r].canonicalize(NATIVE[r]) for r in REGIONS}
     # Qwen3's q/k norms handing FP32 on need the emulator's RoPE, which takes FP32 input.
     qk_fp32 = fam.qk_norm and emulate["rmsnorm"] and points["rmsnorm"]["output"] == FP32
-    attention = emulate["rope"] or qk_fp32
+    attention = emulate["rope"] or qk_fp32 or not all(d.inv_freq_exact for d in decoders)
     handle = PatchHandle(
         model, prof, fam,
         emulated=tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention)),

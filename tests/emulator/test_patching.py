@@ -462,3 +462,19 @@ def test_compiling_a_patched_model_fails_with_a_clear_message(how):
                 run(ids)
     finally:
         torch._dynamo.reset()
+
+
+def test_a_model_whose_rope_frequencies_were_rounded_gets_the_engines_fp32_frequencies():
+    # model.to(torch.bfloat16) rounds HF's FP32 inv_freq buffer; engines use FP32 frequencies, so
+    # the patch runs RoPE from rope_theta even where HF's RoPE has the profile's rounding sites.
+    model = tiny_model("llama", seed=1)
+    ids = tiny_inputs(model, 64, seed=2)
+    pos = torch.arange(64).unsqueeze(0) * 600  # positions where rounded frequencies matter
+    with torch.no_grad():
+        want = model(ids, position_ids=pos).logits
+        model.to(torch.bfloat16)
+        assert model.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+        assert not torch.equal(model(ids, position_ids=pos).logits, want)
+        with emulator.apply_profile(model, TRANSFORMERS_PROFILE) as h:
+            assert h.emulated == ("rope",)
+            assert_same_bits(model(ids, position_ids=pos).logits, want, "FP32 frequencies restored by the patch")
