@@ -71,24 +71,22 @@ def teacher_forced(model, seq: dict[str, Any], with_logits: bool = False):
     """Trainer q/k per layer (as they enter attention) and final hidden states, teacher-forced."""
     state: dict[str, Any] = {"layer": 0, "qk": [], "engine_out": [lay["out"] for lay in seq["layers"]]}
     _register(state)
-    cfg = model.config
-    old = cfg._attn_implementation
+    # Every config object the model's modules read (usually one, shared) uses the teacher for
+    # this forward and gets its own setting back afterwards.
+    configs = {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in model.modules()]
+               if c is not None and hasattr(c, "_attn_implementation")}
+    old = {k: c._attn_implementation for k, c in configs.items()}
     hidden: list[torch.Tensor] = []
-    norm = model.model.norm
-    h = norm.register_forward_hook(lambda m, a, o: hidden.append(o[0] if isinstance(o, tuple) else o))
+    h = model.model.norm.register_forward_hook(lambda m, a, o: hidden.append(o[0] if isinstance(o, tuple) else o))
     try:
-        cfg._attn_implementation = CAPTURE_IMPL
-        for m in model.modules():
-            if hasattr(m, "config") and m is not model:
-                try:
-                    m.config._attn_implementation = CAPTURE_IMPL
-                except AttributeError:
-                    pass
+        for c in configs.values():
+            c._attn_implementation = CAPTURE_IMPL
         ids = torch.tensor(seq["prompt"] + seq["completion"]).unsqueeze(0)
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0]
     finally:
-        cfg._attn_implementation = old
+        for k, c in configs.items():
+            c._attn_implementation = old[k]
         h.remove()
     if with_logits:
         return state["qk"], hidden[0][0], logits

@@ -8,7 +8,6 @@ metrics are the ones RL frameworks log (engineprofiles.metrics).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -76,18 +75,12 @@ def sequence_logprobs(model, seq: dict[str, Any]) -> tuple[torch.Tensor, torch.T
     return lp[n_prompt - 1:], lp
 
 
-def engine_python(engine: str, env: str | None) -> Path:
-    from ..probe.runner import find_engine_python
-
-    return find_engine_python(engine, env)
-
-
 def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_tokens: int, seed: int,
                 env: str | None, note: Callable[[str], None]) -> dict[str, Any]:
     from ..probe import runner
 
     # Inside the engine's own environment (scripts/probe.sh runs there) capture with this python.
-    py = Path(sys.executable) if (runner.engine_importable(engine) and env is None) else engine_python(engine, env)
+    py = Path(sys.executable) if (runner.engine_importable(engine) and env is None) else runner.find_engine_python(engine, env)
     note(f"running {engine} from {py.parent.parent.name} on the tiny model (engine start-up takes minutes)")
     cmd = [str(py), "-m", "engineprofiles.insitu.capture", engine, "--model", str(model_dir), "--out", str(out),
            "--prompts", str(prompts), "--max-tokens", str(max_tokens), "--seed", str(seed)]

@@ -7,7 +7,6 @@ import importlib.util
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Callable
 

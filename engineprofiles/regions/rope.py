@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..rounding import act_dtype, round_to
-from .base import FP32, ROUNDED, Point, RegionSpec, site, variant
+from .base import ROUNDED, Point, RegionSpec, site, variant
 
 STYLES = ("neox", "interleaved")
 

@@ -80,7 +80,7 @@ class VllmAdapter(Adapter):
         for k, v in sorted(dict(cc.inductor_compile_config).items()):
             if isinstance(v, (str, int, float, bool)):
                 settings[f"inductor.{k}"] = v
-        execution = f"inductor" if self.mode == "compiled" else "eager"
+        execution = "inductor" if self.mode == "compiled" else "eager"
         return EngineInfo(
             name="vllm",
             version=self.vllm.__version__,
@@ -174,8 +174,6 @@ class VllmAdapter(Adapter):
         with set_current_vllm_config(config):
             self._activate()
             act_layer = SiluAndMul()
-            if compiled and hasattr(act_layer, "forward_native"):
-                pass
         act_call = self._compiled(act_layer, ("x",)) if compiled else None
 
         def norm_for(hidden: int, eps: float, weight: torch.Tensor):
