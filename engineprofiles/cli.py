@@ -10,8 +10,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import __version__, render, store
+from . import __version__
 from .errors import EngineProfilesError
+
+# render and store (and through them torch) are imported inside the commands that use them, so
+# that `probe-engine vllm` starts and hands over to the engine's environment without loading torch
+# in this process first (~2 s of a warm probe on a 2-core CPU, import and teardown together).
 
 app = typer.Typer(
     help="Measure where an inference engine rounds to BF16/FP16 (RoPE, SwiGLU, residual RMSNorm), "
@@ -32,6 +36,8 @@ def _fail(e: Exception, code: int = 2) -> None:
 @app.command()
 def validate(profiles: list[str] = typer.Argument(..., help="profile files or shipped names")) -> None:
     """Check profiles against the schema; exit 1 if any is invalid."""
+    from . import store
+
     bad = 0
     for name in profiles:
         try:
@@ -48,6 +54,8 @@ def validate(profiles: list[str] = typer.Argument(..., help="profile files or sh
 @app.command()
 def show(profile: str = typer.Argument(..., help="a profile file or shipped name")) -> None:
     """Print a profile's rounding sites per region, with the evidence behind them."""
+    from . import render, store
+
     try:
         p = store.get_profile(profile)
     except EngineProfilesError as e:
@@ -58,6 +66,8 @@ def show(profile: str = typer.Argument(..., help="a profile file or shipped name
 @app.command("list")
 def list_profiles() -> None:
     """List the profiles shipped in profiles/ (engine, version, backend, mode, dtype)."""
+    from . import store
+
     d = store.shipped_dir()
     names = store.shipped_names()
     if not names:
@@ -87,6 +97,7 @@ def diff(
 
     Formula variants, evidence and provenance differences are shown but do not count as site
     differences."""
+    from . import render, store
     from .diff import diff_profiles
 
     if format not in ("table", "markdown", "json"):
@@ -124,6 +135,7 @@ def mismatch(
     import json
     import time
 
+    from . import render
     from .insitu.mismatch import run_mismatch
 
     if engine != "vllm":
@@ -167,19 +179,23 @@ def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str
     import sys
     import time
 
-    from . import rounding
+    from .errors import UnsupportedDtype
+    from .names import ACT_DTYPE_NAMES, REGION_NAMES
     from .probe import runner
-    from .regions import REGIONS
 
     try:
-        dt = rounding.act_dtype(dtype)
+        if dtype not in ACT_DTYPE_NAMES:
+            raise UnsupportedDtype(f"activation dtype {dtype!r} is not supported; use one of {sorted(ACT_DTYPE_NAMES)}")
         for r in region or []:
-            if r not in REGIONS:
-                raise EngineProfilesError(f"unknown region {r!r}; regions are {', '.join(REGIONS)}")
+            if r not in REGION_NAMES:
+                raise EngineProfilesError(f"unknown region {r!r}; regions are {', '.join(REGION_NAMES)}")
         target, is_dir = runner.output_path(output)
         if not runner.engine_importable(engine) and not os.environ.get("ENGINEPROFILES_REEXEC"):
             python = runner.find_engine_python(engine, env)
             raise typer.Exit(runner.reexec_in(python, sys.argv[1:], lambda m: err.print(m, highlight=False)))
+        from . import render, rounding
+
+        dt = rounding.act_dtype(dtype)
         if not runner.engine_importable(engine):
             raise runner.EngineNotInstalled(
                 f"{engine} is not importable in {sys.executable}; make its environment with "
@@ -214,6 +230,12 @@ def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str
     if target is not None:
         path = runner.write_profile(profile, target, is_dir)
         err.print(f"[green]wrote[/green] {path}", highlight=False)
+    global _probe_done
+    _probe_done = True
+
+
+# Set when an op-level probe has written everything; read by _main_exit_fast.
+_probe_done = False
 
 
 def _patched_adapter(family: Optional[str], profile: str, dt, device: str):
@@ -221,6 +243,7 @@ def _patched_adapter(family: Optional[str], profile: str, dt, device: str):
     loop: probing it should give back the profile's sites). emulator is imported only here."""
     from emulator import apply_profile
 
+    from . import store
     from .models import tiny_model
     from .probe.adapters.transformers import TransformersAdapter
 
@@ -238,6 +261,7 @@ def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Op
 
     import torch
 
+    from . import render, store
     from .insitu.fit import fit_profile, in_situ_profile
     from .insitu.mismatch import run_capture
     from .models import tiny_model
@@ -366,5 +390,26 @@ def main() -> None:
     app()
 
 
+def _main_exit_fast() -> None:
+    """`python -m engineprofiles.cli`: how probe-engine runs itself in an engine's environment.
+
+    After a probe has written its profile (atomically) and flushed its output, the process ends
+    with os._exit: the interpreter's teardown of vLLM + torch + Inductor takes ~2 s on a 2-core CPU
+    and does nothing the probe needs (measured with scripts/bench_probe.py). Any other command, an
+    error, or an exception ends the normal way."""
+    import sys
+
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    if not (_probe_done and isinstance(code, (int, type(None)))):
+        raise SystemExit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 if __name__ == "__main__":
-    main()
+    _main_exit_fast()

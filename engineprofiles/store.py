@@ -5,8 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from .errors import ProfileNotFound
-from .schema import Profile, load_profile
+
+if TYPE_CHECKING:
+    from .schema import Profile
+
+# The schema (and with it torch) is imported by the functions that load profiles, so that finding
+# the folder of shipped profiles stays cheap (probe-engine hands over to an engine environment
+# before it loads torch).
 
 ENV_VAR = "ENGINEPROFILES_DIR"
 
@@ -40,10 +48,14 @@ def resolve(name_or_path: str | os.PathLike[str]) -> Path:
 
 def get_profile(profile: "Profile | str | os.PathLike[str]") -> Profile:
     """A Profile from a Profile, a path or a shipped name."""
+    from .schema import Profile, load_profile
+
     if isinstance(profile, Profile):
         return profile
     return load_profile(resolve(profile))
 
 
 def shipped_profiles() -> list[tuple[str, Profile]]:
+    from .schema import load_profile
+
     return [(n, load_profile(shipped_dir() / f"{n}.yaml")) for n in shipped_names()]

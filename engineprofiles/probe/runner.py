@@ -8,14 +8,16 @@ import os
 import re
 import subprocess
 from pathlib import Path
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import EngineProfilesError
-from ..schema import Profile
 from ..store import shipped_dir
 from .base import Adapter, EngineNotInstalled
+
+if TYPE_CHECKING:  # torch is loaded by the process that probes, not by one that hands over
+    import torch
+
+    from ..schema import Profile
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINES_DIR = Path(os.environ.get("ENGINEPROFILES_ENGINES", REPO / ".engines"))

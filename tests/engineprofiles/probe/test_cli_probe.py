@@ -1,6 +1,10 @@
 """probe-engine ENGINE: bad input fails early with a message that says what to do; the
 transformers probe runs end to end (transformers is a test dependency)."""
 
+import os
+import subprocess
+import sys
+
 import yaml
 from typer.testing import CliRunner
 
@@ -50,3 +54,55 @@ def test_transformers_probe_writes_the_hf_profile(tmp_path):
         "variance_input": "rounded", "normalize_input": "rounded", "normalized": "rounded", "residual_out": "rounded"}
     assert data["provenance"]["method"] == "op-level"
     assert "rounding sites" in r.output
+
+
+def test_bad_arguments_are_refused_before_handing_over_to_an_engine_environment(tmp_path, monkeypatch):
+    # Checked in this process (no torch, no engine): the message is about the argument, not
+    # about a missing engine environment.
+    monkeypatch.setattr(probe_runner, "ENGINES_DIR", tmp_path)
+    monkeypatch.setattr(probe_runner, "engine_importable", lambda e: False)
+    monkeypatch.delenv("ENGINEPROFILES_REEXEC", raising=False)
+    r = cli.invoke(app, ["vllm", "--op-level", "--dtype", "fp8", "-o", str(tmp_path)])
+    assert r.exit_code == 2 and "fp8" in r.output and "not installed" not in r.output
+    r = cli.invoke(app, ["vllm", "--op-level", "--region", "attention", "-o", str(tmp_path)])
+    assert r.exit_code == 2 and "attention" in r.output and "not installed" not in r.output
+
+
+def test_cli_names_agree_with_the_region_and_dtype_definitions():
+    from engineprofiles.names import ACT_DTYPE_NAMES, REGION_NAMES
+    from engineprofiles.regions import REGIONS
+    from engineprofiles.rounding import ACT_DTYPES
+
+    assert REGION_NAMES == tuple(REGIONS)
+    assert set(ACT_DTYPE_NAMES) == set(ACT_DTYPES)
+
+
+def test_the_process_that_hands_over_does_not_load_torch():
+    code = ("import sys, engineprofiles.cli, engineprofiles.probe.runner, engineprofiles.store; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_module_entry_point_writes_and_flushes_everything_before_its_fast_exit(tmp_path):
+    # `python -m engineprofiles.cli` (how probe-engine runs in an engine environment) skips the
+    # interpreter's teardown after a probe: the profile and all output must be complete by then.
+    env = dict(os.environ, COLUMNS="200", ENGINEPROFILES_REEXEC="1")
+    out = tmp_path / "p.yaml"
+    r = subprocess.run([sys.executable, "-m", "engineprofiles.cli", "transformers", "--quick", "-o", str(out), "--yaml"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "rounding sites" in r.stdout
+    printed = yaml.safe_load(r.stdout[r.stdout.index("schema_version:"):])  # the YAML, printed last
+    assert printed == yaml.safe_load(out.read_text())
+    assert "wrote" in r.stderr
+    assert yaml.safe_load(out.read_text())["regions"]["swiglu"]["sites"] == {"silu": "rounded"}
+    # errors and other commands end the normal way, with their exit codes
+    r = subprocess.run([sys.executable, "-m", "engineprofiles.cli", "transformers", "--dtype", "fp8", "-o", str(out)],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "fp8" in r.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("schema_version: 9\n")
+    r = subprocess.run([sys.executable, "-m", "engineprofiles.cli", "validate", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 1 and "schema_version" in r.stderr
