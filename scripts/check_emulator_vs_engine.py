@@ -16,7 +16,9 @@ Where the evidence matched bit for bit (match_rate 1.0) both must equal the engi
 no lattice point fits the engine exactly (match_rate < 1), the emulator's match rate on the
 evidence's shapes must be within --rate-tolerance of the evidence's and no mismatch may be further
 than the evidence's max_ulp; the patched model must then equal the emulator bitwise (it computes
-the profile's point), and no further from the engine than max_ulp.
+the profile's point), and no further from the engine than max_ulp. When this machine's CPU
+capability (AVX2, AVX512, ...) differs from the one the profile records, the engine's kernels may
+take another code path: a non-bitwise evidence then only sets a floor for the rate.
 
 An in-situ profile (provenance.method in-situ) was fitted to the tensors the engine materializes
 when it runs a whole tiny model; for it the engine runs a fresh tiny model of the profile's family
@@ -160,6 +162,16 @@ def main() -> int:
     print(f"{name}: {info.name} {info.version} {info.execution_mode} loaded in {time.perf_counter() - t0:.1f}s "
           f"(torch {torch.__version__}); fresh inputs, seed {args.seed}", flush=True)
 
+    # The engine's CPU kernels can take another code path on another vector ISA (vLLM's eager RoPE
+    # kernel matches the profile's point on 64% of elements on AVX2 and on all of them on AVX512).
+    # A rate measured on the same path must reproduce the evidence's; on another path the emulator
+    # must still match at least as often, never further than the evidence's max ULP.
+    here, there = info.settings.get("cpu_capability"), e.settings.get("cpu_capability")
+    same_path = here == there
+    if not same_path:
+        print(f"note: the evidence was measured on CPU capability {there}, this machine has {here}: where the "
+              "evidence is not bitwise, a match rate at or above it passes", flush=True)
+
     rows: list[Row] = []
     for region in args.region or REGIONS:
         ev = prof.entry(region).evidence
@@ -179,9 +191,12 @@ def main() -> int:
             n, m, u = n + a, m + b, max(u, c)
         if exact:
             ok, note = m == n, "bitwise" if m == n else "must be bitwise"
-        else:
+        elif same_path:
             ok = abs(m / n - ev.match_rate) <= args.rate_tolerance and u <= ev_ulp
             note = f"rate within {args.rate_tolerance} of the evidence, <= {ev_ulp} ulp"
+        else:
+            ok = m / n >= ev.match_rate - args.rate_tolerance and u <= ev_ulp
+            note = f"{here} here, evidence from {there}: rate at least the evidence's, <= {ev_ulp} ulp"
         rows.append(Row(region, "emulator", len(sweep), n, m, u, ev.match_rate, ev_ulp, ok, note,
                         time.perf_counter() - t1))
         # The patched model, per family, on its own shapes.
