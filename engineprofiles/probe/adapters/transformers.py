@@ -147,6 +147,8 @@ class TransformersAdapter(Adapter):
         from ..harness import device_name
 
         settings: dict[str, Any] = {"family": self.family}
+        if not self.device.startswith("cuda"):
+            settings["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # torch's CPU kernels dispatch by ISA
         mode = "eager"
         if self.model is not None:
             settings["model_class"] = type(self.model).__name__
