@@ -179,16 +179,13 @@ def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str
     import sys
     import time
 
-    from .errors import UnsupportedDtype
-    from .names import ACT_DTYPE_NAMES, REGION_NAMES
+    from .names import check_dtype_name, check_region_name
     from .probe import runner
 
     try:
-        if dtype not in ACT_DTYPE_NAMES:
-            raise UnsupportedDtype(f"activation dtype {dtype!r} is not supported; use one of {sorted(ACT_DTYPE_NAMES)}")
+        check_dtype_name(dtype)
         for r in region or []:
-            if r not in REGION_NAMES:
-                raise EngineProfilesError(f"unknown region {r!r}; regions are {', '.join(REGION_NAMES)}")
+            check_region_name(r)
         target, is_dir = runner.output_path(output)
         if not runner.engine_importable(engine) and not os.environ.get("ENGINEPROFILES_REEXEC"):
             python = runner.find_engine_python(engine, env)

@@ -12,20 +12,17 @@ from __future__ import annotations
 import torch
 
 from .errors import UnsupportedDtype
+from .names import ACT_DTYPE_NAMES, check_dtype_name
 
-ACT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+ACT_DTYPES = {name: getattr(torch, name) for name in ACT_DTYPE_NAMES}
 DTYPE_NAMES = {v: k for k, v in ACT_DTYPES.items()}
-
-_FORMAT = {torch.bfloat16, torch.float16}
 
 
 def act_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """The torch dtype for an activation dtype given as a torch dtype or its name."""
     if isinstance(dtype, str):
-        if dtype not in ACT_DTYPES:
-            raise UnsupportedDtype(f"activation dtype {dtype!r} is not supported; use one of {sorted(ACT_DTYPES)}")
-        return ACT_DTYPES[dtype]
-    if dtype not in _FORMAT:
+        return ACT_DTYPES[check_dtype_name(dtype)]
+    if dtype not in DTYPE_NAMES:
         raise UnsupportedDtype(f"activation dtype {dtype} is not supported; use torch.bfloat16 or torch.float16")
     return dtype
 

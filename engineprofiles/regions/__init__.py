@@ -1,5 +1,6 @@
 """The regions of the rounding model, their sites, lattices and torch references."""
 
+from ..names import check_region_name
 from .base import FP32, PRECISIONS, ROUNDED, Choice, Point, RegionSpec
 from .rmsnorm import ADD_SPEC, PLAIN_SPEC, add_rmsnorm_ref, rmsnorm_ref
 from .rope import SPEC as ROPE_SPEC
@@ -15,12 +16,7 @@ REGIONS: dict[str, RegionSpec] = {
 
 
 def region(name: str) -> RegionSpec:
-    try:
-        return REGIONS[name]
-    except KeyError:
-        from ..errors import PointError
-
-        raise PointError(f"unknown region {name!r}; regions are {', '.join(REGIONS)}") from None
+    return REGIONS[check_region_name(name)]
 
 
 __all__ = [

@@ -68,13 +68,11 @@ def test_bad_arguments_are_refused_before_handing_over_to_an_engine_environment(
     assert r.exit_code == 2 and "attention" in r.output and "not installed" not in r.output
 
 
-def test_cli_names_agree_with_the_region_and_dtype_definitions():
-    from engineprofiles.names import ACT_DTYPE_NAMES, REGION_NAMES
+def test_region_names_agree_with_the_region_specs():
+    from engineprofiles.names import REGION_NAMES
     from engineprofiles.regions import REGIONS
-    from engineprofiles.rounding import ACT_DTYPES
 
     assert REGION_NAMES == tuple(REGIONS)
-    assert set(ACT_DTYPE_NAMES) == set(ACT_DTYPES)
 
 
 def test_the_process_that_hands_over_does_not_load_torch():
