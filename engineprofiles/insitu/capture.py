@@ -116,7 +116,8 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
     cfg = llm.llm_engine.vllm_config.compilation_config
     return dict(
         engine=dict(name="vllm", version=vllm.__version__, torch_version=torch.__version__,
-                    compilation_mode=str(getattr(cfg.mode, "name", cfg.mode)), mode=mode),
+                    compilation_mode=str(getattr(cfg.mode, "name", cfg.mode)), mode=mode,
+                    cpu_capability=torch.backends.cpu.get_cpu_capability()),
         model_dir=model_dir, sequences=sequences, seed=seed, seconds=time.perf_counter() - t0,
     )
 

@@ -209,10 +209,18 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any], family:
             per_shape=[dict(shape=k, winner=win.label(), match_rate=v.rate) for k, v in fit.best.layers.items()],
             notes=notes,
         )
+    # The engine description is the op-level start's, except what the capture itself measured on:
+    # the evidence belongs to the machine and torch the engine ran on, not the start's.
     settings = dict(start.engine.settings)
     settings["in_situ_family"] = family
+    eng = capture["engine"]
+    if eng.get("cpu_capability") is not None:
+        settings["cpu_capability"] = eng["cpu_capability"]
+    update: dict[str, Any] = {"settings": settings}
+    if eng.get("torch_version"):
+        update["torch_version"] = eng["torch_version"]
     return make_profile(
-        engine=start.engine.model_copy(update={"settings": settings}),
+        engine=start.engine.model_copy(update=update),
         dtype=start.dtype,
         points=fit.points,
         evidence=evidence,

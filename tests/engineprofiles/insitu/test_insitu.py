@@ -12,7 +12,7 @@ from engineprofiles.models import tiny_model
 from engineprofiles.probe import runner
 from engineprofiles.store import get_profile
 
-pytest.importorskip("triton", reason="the emulator is a test dependency")
+import triton  # noqa: F401,E402  the emulator is a test dependency: without it these tests fail, never skip
 
 ENGINE = "vllm-0.32.0-cpu-inductor-bfloat16"
 TRAINER = "transformers-5.19.0-cpu-eager-bfloat16"
@@ -81,3 +81,17 @@ def test_mismatch_without_the_engine_environment_names_the_script(tmp_path, monk
     monkeypatch.setattr(runner, "ENGINES_DIR", tmp_path)
     with pytest.raises(EngineProfilesError, match="scripts/engine_env.sh vllm"):
         run_mismatch("vllm", family="qwen2", workdir=str(tmp_path))
+
+
+def test_an_in_situ_profile_records_the_machine_the_engine_ran_on(model, planted):
+    # The engine description comes from the op-level start, but the evidence was measured where
+    # the capture ran: its CPU capability and torch version win.
+    from engineprofiles.insitu.fit import in_situ_profile
+
+    target, cap = planted
+    cap = dict(cap, engine=dict(cap["engine"], cpu_capability="TEST_ISA", torch_version="9.9.9+test"))
+    fit = fit_profile(model, cap, target, regions=("swiglu",), passes=1)
+    prof = in_situ_profile(fit, target, cap, "qwen2", "probe-engine vllm")
+    assert prof.engine.settings["cpu_capability"] == "TEST_ISA" != target.engine.settings["cpu_capability"]
+    assert prof.engine.torch_version == "9.9.9+test"
+    assert prof.engine.settings["in_situ_family"] == "qwen2" and prof.provenance.method == "in-situ"
