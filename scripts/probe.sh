@@ -33,4 +33,4 @@ else
   PY=$("$REPO/scripts/engine_env.sh" "$ENGINE" "$VERSION")
 fi
 export ENGINEPROFILES_COMMAND="scripts/probe.sh $ENGINE${VERSION:+ $VERSION} $*"
-ENGINEPROFILES_REEXEC=1 exec "$PY" -m engineprofiles.cli "$ENGINE" -o "$OUT/" --yaml "${ARGS[@]}"
+ENGINEPROFILES_REEXEC=1 exec "$PY" -m engineloop.cli "$ENGINE" -o "$OUT/" --yaml "${ARGS[@]}"

@@ -32,7 +32,7 @@ def kind(t: torch.Tensor | torch.dtype) -> int:
 
 
 def kview(t: torch.Tensor) -> torch.Tensor:
-    """The tensor as a kernel sees it: BF16 as int16 bits (see _rne.load), others unchanged."""
+    """The tensor as a kernel sees it: BF16 as int16 bits (see tl_rounding.load), others unchanged."""
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 

@@ -28,7 +28,7 @@ import triton.language as tl
 from engineprofiles import portable
 from engineprofiles.regions import ROUNDED, Point, add_rmsnorm_ref, rmsnorm_ref
 
-from . import _portable, _rne
+from . import tl_portable, tl_rounding
 from ._utils import (
     LANES, LAUNCH, LOG2_LANES, cast_like, gpu_tiles, grouped_row_sum, is_fp16, kind, kview, lane_sum, next_pow2, row_groups,
 )
@@ -58,36 +58,36 @@ def _rmsnorm_fwd_kernel(
     for k in range(0, N, U * LANES):
         cols = k + offs
         m = (r2 < M) & (cols < N)
-        x = _rne.load(X + r2 * sx + cols, m, X_KIND)
+        x = tl_rounding.load(X + r2 * sx + cols, m, X_KIND)
         if HAS_RESIDUAL:
-            s = x + _rne.load(R + r2 * sr + cols, m, R_KIND)
-            s_r = _rne.rne(s, ACT_FP16)
+            s = x + tl_rounding.load(R + r2 * sr + cols, m, R_KIND)
+            s_r = tl_rounding.rne(s, ACT_FP16)
             if RESIDUAL_OUT_ROUNDED:  # site: residual_out
-                _rne.store(RO + r2 * sro + cols, s_r, m, RO_KIND)
+                tl_rounding.store(RO + r2 * sro + cols, s_r, m, RO_KIND)
             else:
-                _rne.store(RO + r2 * sro + cols, s, m, RO_KIND)
+                tl_rounding.store(RO + r2 * sro + cols, s, m, RO_KIND)
             if VARIANCE_INPUT_ROUNDED:  # site: variance_input
                 v = s_r
             else:
                 v = s
         else:
             v = x
-        acc = _portable.lane_accumulate(acc, v * v, BLOCK_M, U, LANES)
-    var = tl.div_rn(_portable.lane_tree_sum(acc, BLOCK_M, LANES, LOG2_LANES), N.to(tl.float32))
+        acc = tl_portable.lane_accumulate(acc, v * v, BLOCK_M, U, LANES)
+    var = tl.div_rn(tl_portable.lane_tree_sum(acc, BLOCK_M, LANES, LOG2_LANES), N.to(tl.float32))
     ve = (var + eps)[:, None]
     if RSTD_MODE == 2:
         den = tl.sqrt_rn(ve)
     else:
-        rinv = _portable.rsqrt(ve)
+        rinv = tl_portable.rsqrt(ve)
     # Pass 2: normalize, scale, round, store.
     for k in range(0, N, U * LANES):
         cols = k + offs
         m = (r2 < M) & (cols < N)
-        x = _rne.load(X + r2 * sx + cols, m, X_KIND)
+        x = tl_rounding.load(X + r2 * sx + cols, m, X_KIND)
         if HAS_RESIDUAL:
-            s = x + _rne.load(R + r2 * sr + cols, m, R_KIND)
+            s = x + tl_rounding.load(R + r2 * sr + cols, m, R_KIND)
             if NORMALIZE_INPUT_ROUNDED:  # site: normalize_input
-                u = _rne.rne(s, ACT_FP16)
+                u = tl_rounding.rne(s, ACT_FP16)
             else:
                 u = s
         else:
@@ -97,11 +97,11 @@ def _rmsnorm_fwd_kernel(
         else:
             n = u * rinv
         if NORMALIZED_ROUNDED:  # site: normalized
-            n = _rne.rne(n, ACT_FP16)
-        y = n * _rne.load(W + cols, cols < N, W_KIND)
+            n = tl_rounding.rne(n, ACT_FP16)
+        y = n * tl_rounding.load(W + cols, cols < N, W_KIND)
         if OUTPUT_ROUNDED:  # site: output (plain form; the add form's output is always rounded)
-            y = _rne.rne(y, ACT_FP16)
-        _rne.store(Y + r2 * sy + cols, y, m, Y_KIND)
+            y = tl_rounding.rne(y, ACT_FP16)
+        tl_rounding.store(Y + r2 * sy + cols, y, m, Y_KIND)
 
 
 @triton.jit
@@ -123,16 +123,16 @@ def _rmsnorm_bwd_stats_kernel(
     for k in range(0, N, U * LANES):
         cols = k + offs
         m = (r2 < M) & (cols < N)
-        s = _rne.load(X + r2 * sx + cols, m, X_KIND)
+        s = tl_rounding.load(X + r2 * sx + cols, m, X_KIND)
         if HAS_RESIDUAL:
-            s = s + _rne.load(R + r2 * sr + cols, m, R_KIND)
-        gw = _rne.load(DY + r2 * sdy + cols, m, DY_KIND) * _rne.load(W + cols, cols < N, W_KIND)
-        acc_ss = _portable.lane_accumulate(acc_ss, s * s, BLOCK_M, U, LANES)
-        acc_gs = _portable.lane_accumulate(acc_gs, gw * s, BLOCK_M, U, LANES)
+            s = s + tl_rounding.load(R + r2 * sr + cols, m, R_KIND)
+        gw = tl_rounding.load(DY + r2 * sdy + cols, m, DY_KIND) * tl_rounding.load(W + cols, cols < N, W_KIND)
+        acc_ss = tl_portable.lane_accumulate(acc_ss, s * s, BLOCK_M, U, LANES)
+        acc_gs = tl_portable.lane_accumulate(acc_gs, gw * s, BLOCK_M, U, LANES)
     nf = N.to(tl.float32)
-    ss = _portable.lane_tree_sum(acc_ss, BLOCK_M, LANES, LOG2_LANES)
-    gs = _portable.lane_tree_sum(acc_gs, BLOCK_M, LANES, LOG2_LANES)
-    rstd = _portable.rsqrt(tl.div_rn(ss, nf) + eps)
+    ss = tl_portable.lane_tree_sum(acc_ss, BLOCK_M, LANES, LOG2_LANES)
+    gs = tl_portable.lane_tree_sum(acc_gs, BLOCK_M, LANES, LOG2_LANES)
+    rstd = tl_portable.rsqrt(tl.div_rn(ss, nf) + eps)
     c = tl.div_rn(gs, nf) * rstd
     tl.store(RSTD + rows, rstd, mask=rows < M)
     tl.store(C + rows, c, mask=rows < M)
@@ -153,7 +153,7 @@ def _rmsnorm_bwd_dx_kernel(
     grp = (tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)).to(tl.int64)[:, None]
     cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
     cm = cols < N
-    w = _rne.load(W + cols, cm, W_KIND)
+    w = tl_rounding.load(W + cols, cm, W_KIND)
     acc = tl.zeros((BLOCK_G, BLOCK_N), tl.float32)
     for i in range(0, ROWS_PER_GROUP):
         row = grp * ROWS_PER_GROUP + i
@@ -161,17 +161,17 @@ def _rmsnorm_bwd_dx_kernel(
         last = tl.minimum(row, M - 1)
         rstd = tl.load(RSTD + last)
         c = tl.load(C + last)
-        s = _rne.load(X + row * sx + cols, m, X_KIND)
+        s = tl_rounding.load(X + row * sx + cols, m, X_KIND)
         if HAS_RESIDUAL:
-            s = s + _rne.load(R + row * sr + cols, m, R_KIND)
-        dy = _rne.load(DY + row * sdy + cols, m, DY_KIND)
+            s = s + tl_rounding.load(R + row * sr + cols, m, R_KIND)
+        dy = tl_rounding.load(DY + row * sdy + cols, m, DY_KIND)
         xhat = s * rstd
         ds = (dy * w - xhat * c) * rstd
         if HAS_DRO:
-            ds = ds + _rne.load(DRO + row * sdro + cols, m, DRO_KIND)
-        _rne.round_store(DX + row * sdx + cols, ds, m, DX_KIND)
+            ds = ds + tl_rounding.load(DRO + row * sdro + cols, m, DRO_KIND)
+        tl_rounding.round_store(DX + row * sdx + cols, ds, m, DX_KIND)
         if HAS_RESIDUAL:
-            _rne.round_store(DR + row * sdr + cols, ds, m, DR_KIND)
+            tl_rounding.round_store(DR + row * sdr + cols, ds, m, DR_KIND)
         acc += dy * xhat
     tl.store(PART + grp * N + cols, acc, mask=cm & (grp < P))
 
@@ -184,7 +184,7 @@ def _sum_groups_kernel(PART, DW, P, N, DW_KIND: tl.constexpr, BLOCK_N: tl.conste
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for p in range(0, P):
         acc += tl.load(PART + p * N + cols, mask=cm, other=0.0)
-    _rne.round_store(DW + cols, acc, cm, DW_KIND)
+    tl_rounding.round_store(DW + cols, acc, cm, DW_KIND)
 
 
 # -- launchers ----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from engineprofiles.regions import ROUNDED, Point, rope_ref
 
-from . import _rne
+from . import tl_rounding
 from ._utils import LAUNCH, cast_like, gpu_tiles, is_fp16, kind, kview, next_pow2
 
 FMA_MODES = {"none": 0, "cos": 1, "sin": 2}
@@ -67,8 +67,8 @@ def _rope_fwd_kernel(
     c = tl.load(COS + t * sc_t + h * sc_h + j, mask=m, other=0.0)
     s = tl.load(SIN + t * ss_t + h * ss_h + j, mask=m, other=0.0)
     if COS_SIN_ROUNDED:  # site: cos_sin
-        c = _rne.rne(c, ACT_FP16)
-        s = _rne.rne(s, ACT_FP16)
+        c = tl_rounding.rne(c, ACT_FP16)
+        s = tl_rounding.rne(s, ACT_FP16)
     if INTERLEAVED:
         d1 = 2 * j
         d2 = 2 * j + 1
@@ -76,11 +76,11 @@ def _rope_fwd_kernel(
         d1 = j
         d2 = j + HALF
     xrow = X + t * sx_t + h* sx_h
-    x1 = _rne.load(xrow + d1 * sx_d, m, X_KIND)
-    x2 = _rne.load(xrow + d2 * sx_d, m, X_KIND)
+    x1 = tl_rounding.load(xrow + d1 * sx_d, m, X_KIND)
+    x2 = tl_rounding.load(xrow + d2 * sx_d, m, X_KIND)
     if PRODUCTS_ROUNDED:  # site: products
-        o1 = _rne.rne(x1 * c, ACT_FP16) - _rne.rne(x2 * s, ACT_FP16)
-        o2 = _rne.rne(x2 * c, ACT_FP16) + _rne.rne(x1 * s, ACT_FP16)
+        o1 = tl_rounding.rne(x1 * c, ACT_FP16) - tl_rounding.rne(x2 * s, ACT_FP16)
+        o2 = tl_rounding.rne(x2 * c, ACT_FP16) + tl_rounding.rne(x1 * s, ACT_FP16)
     elif FMA == 1:
         o1 = fma_rn(x1, c, -(x2 * s))
         o2 = fma_rn(x2, c, x1 * s)
@@ -91,13 +91,13 @@ def _rope_fwd_kernel(
         o1 = x1 * c - x2 * s
         o2 = x2 * c + x1 * s
     yrow = Y + t * sy_t + h* sy_h
-    _rne.store(yrow + d1, _rne.rne(o1, ACT_FP16), m, Y_KIND)  # region output
-    _rne.store(yrow + d2, _rne.rne(o2, ACT_FP16), m, Y_KIND)
+    tl_rounding.store(yrow + d1, tl_rounding.rne(o1, ACT_FP16), m, Y_KIND)  # region output
+    tl_rounding.store(yrow + d2, tl_rounding.rne(o2, ACT_FP16), m, Y_KIND)
     if D > 2 * HALF:  # lanes past the rotary dim pass through (rounded, for an FP32 input)
         p = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, None, :]
         pm = th & (p < D)
-        xp = _rne.load(xrow + p * sx_d, pm, X_KIND)
-        _rne.store(yrow + p, _rne.rne(xp, ACT_FP16), pm, Y_KIND)
+        xp = tl_rounding.load(xrow + p * sx_d, pm, X_KIND)
+        tl_rounding.store(yrow + p, tl_rounding.rne(xp, ACT_FP16), pm, Y_KIND)
 
 
 @triton.jit
@@ -126,18 +126,18 @@ def _rope_bwd_kernel(
         d1 = j
         d2 = j + HALF
     grow = G + t * sg_t + h* sg_h
-    g1 = _rne.load(grow + d1 * sg_d, m, G_KIND)
-    g2 = _rne.load(grow + d2 * sg_d, m, G_KIND)
+    g1 = tl_rounding.load(grow + d1 * sg_d, m, G_KIND)
+    g2 = tl_rounding.load(grow + d2 * sg_d, m, G_KIND)
     dx1 = g1 * c + g2 * s
     dx2 = g2 * c - g1 * s
     drow = DX + t * sd_t + h* sd_h
-    _rne.round_store(drow + d1, dx1, m, DX_KIND)
-    _rne.round_store(drow + d2, dx2, m, DX_KIND)
+    tl_rounding.round_store(drow + d1, dx1, m, DX_KIND)
+    tl_rounding.round_store(drow + d2, dx2, m, DX_KIND)
     if D > 2 * HALF:
         p = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, None, :]
         pm = th & (p < D)
-        gp = _rne.load(grow + p * sg_d, pm, G_KIND)
-        _rne.round_store(drow + p, gp, pm, DX_KIND)
+        gp = tl_rounding.load(grow + p * sg_d, pm, G_KIND)
+        tl_rounding.round_store(drow + p, gp, pm, DX_KIND)
 
 
 # -- launchers ----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import triton.language as tl
 from engineprofiles import portable
 from engineprofiles.regions import ROUNDED, Point, swiglu_ref
 
-from . import _portable, _rne
+from . import tl_portable, tl_rounding
 from ._utils import LAUNCH, cast_like, gpu_tiles, is_fp16, kind, kview, next_pow2
 
 SILU_FORMULAS = {"fused": 0, "x_sigmoid": 1, "x_div_1p_exp": 2}
@@ -38,15 +38,15 @@ def _swiglu_fwd_kernel(
     r = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
     c = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[None, :]
     m = (r < M) & (c < N)
-    g = _rne.load(GATE + r * sg_m + c * sg_n, m, G_KIND)
-    u = _rne.load(UP + r * su_m + c * su_n, m, U_KIND)
+    g = tl_rounding.load(GATE + r * sg_m + c * sg_n, m, G_KIND)
+    u = tl_rounding.load(UP + r * su_m + c * su_n, m, U_KIND)
     if SILU_FORMULA == 1:
-        a = g * _portable.sigmoid(g)
+        a = g * tl_portable.sigmoid(g)
     else:  # fused and x_div_1p_exp
-        a = tl.div_rn(g, 1.0 + _portable.exp(-g))
+        a = tl.div_rn(g, 1.0 + tl_portable.exp(-g))
     if SILU_ROUNDED:  # site: silu
-        a = _rne.rne(a, ACT_FP16)
-    _rne.store(Y + r * sy_m + c, _rne.rne(a * u, ACT_FP16), m, Y_KIND)  # region output
+        a = tl_rounding.rne(a, ACT_FP16)
+    tl_rounding.store(Y + r * sy_m + c, tl_rounding.rne(a * u, ACT_FP16), m, Y_KIND)  # region output
 
 
 @triton.jit
@@ -61,14 +61,14 @@ def _swiglu_bwd_kernel(
     r = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
     c = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[None, :]
     m = (r < M) & (c < N)
-    g = _rne.load(GATE + r * sg_m + c * sg_n, m, G_KIND)
-    u = _rne.load(UP + r * su_m + c * su_n, m, U_KIND)
-    dy = _rne.load(DY + r * sdy_m + c * sdy_n, m, DY_KIND)
-    sig = _portable.sigmoid(g)
+    g = tl_rounding.load(GATE + r * sg_m + c * sg_n, m, G_KIND)
+    u = tl_rounding.load(UP + r * su_m + c * su_n, m, U_KIND)
+    dy = tl_rounding.load(DY + r * sdy_m + c * sdy_n, m, DY_KIND)
+    sig = tl_portable.sigmoid(g)
     du = dy * (g * sig)
     dg = (dy * u) * (sig * (1.0 + g * (1.0 - sig)))
-    _rne.round_store(DG + r * sdg_m + c, dg, m, DG_KIND)
-    _rne.round_store(DU + r * sdu_m + c, du, m, DU_KIND)
+    tl_rounding.round_store(DG + r * sdg_m + c, dg, m, DG_KIND)
+    tl_rounding.round_store(DU + r * sdu_m + c, du, m, DU_KIND)
 
 
 # -- launchers ----------------------------------------------------------------------------------

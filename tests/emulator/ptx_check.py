@@ -10,7 +10,7 @@ instructions that would break bit-exactness:
 - ``fma``: fused multiply-adds (contraction must be off: ``enable_fp_fusion=False``),
 - ``approx``: approximate division, square root, reciprocal, exp2 (``div.full``, ``*.approx``),
 - ``ftz``: flush-to-zero of subnormals, except in ``cvt.rmi`` (floor), whose arguments in
-  portable.exp are never subnormal (see emulator/ops/_portable.py),
+  portable.exp are never subnormal (see emulator/ops/tl_portable.py),
 
 and, for information, the correctly rounded ``div.rn.f32`` and ``sqrt.rn.f32`` it uses.
 """

@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 import emulator
-from engineprofiles.cli import app
+from engineloop.cli import app
 from engineprofiles.models import tiny_model
 from engineprofiles.probe.adapters.transformers import TransformersAdapter
 from engineprofiles.probe.harness import run_probe

@@ -3,7 +3,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from engineprofiles.cli import app
+from engineloop.cli import app
 from engineprofiles.diff import diff_profiles
 from engineprofiles.regions import REGIONS
 

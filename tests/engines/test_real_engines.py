@@ -27,7 +27,7 @@ REAL = [
 def _probe(python: Path, engine: str, out: Path, *args: str) -> Profile:
     env = dict(os.environ, ENGINEPROFILES_REEXEC="1")
     r = subprocess.run(
-        [str(python), "-m", "engineprofiles.cli", engine, "-o", str(out), *args],
+        [str(python), "-m", "engineloop.cli", engine, "-o", str(out), *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )
     sys.stdout.write(r.stdout[-6000:])

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from emulator.ops import _portable
+from emulator.ops import tl_portable
 from emulator.ops._utils import LANES, LOG2_LANES, lane_sum
 from engineprofiles import portable
 
@@ -20,9 +20,9 @@ def _math_kernel(X, Y, E, S, RS, SQ, DV, n, BLOCK: tl.constexpr):
     m = offs < n
     x = tl.load(X + offs, mask=m, other=1.0)
     y = tl.load(Y + offs, mask=m, other=1.0)
-    tl.store(E + offs, _portable.exp(x), mask=m)
-    tl.store(S + offs, _portable.sigmoid(x), mask=m)
-    tl.store(RS + offs, _portable.rsqrt(x), mask=m)
+    tl.store(E + offs, tl_portable.exp(x), mask=m)
+    tl.store(S + offs, tl_portable.sigmoid(x), mask=m)
+    tl.store(RS + offs, tl_portable.rsqrt(x), mask=m)
     tl.store(SQ + offs, tl.sqrt_rn(x), mask=m)
     tl.store(DV + offs, tl.div_rn(x, y), mask=m)
 
@@ -36,8 +36,8 @@ def _mean_sq_kernel(X, OUT, M, N, BLOCK_M: tl.constexpr, U: tl.constexpr, LANES:
     for k in range(0, N, U * LANES):
         cols = k + offs
         x = tl.load(X + r2 * N + cols, mask=(r2 < M) & (cols < N), other=0.0)
-        acc = _portable.lane_accumulate(acc, x, BLOCK_M, U, LANES)
-    tl.store(OUT + rows, _portable.lane_tree_sum(acc, BLOCK_M, LANES, LOG2_LANES), mask=rows < M)
+        acc = tl_portable.lane_accumulate(acc, x, BLOCK_M, U, LANES)
+    tl.store(OUT + rows, tl_portable.lane_tree_sum(acc, BLOCK_M, LANES, LOG2_LANES), mask=rows < M)
 
 
 def _inputs(n_random: int, seed: int) -> torch.Tensor:

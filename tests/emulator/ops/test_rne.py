@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from emulator.ops import _rne
+from emulator.ops import tl_rounding
 from emulator.ops._utils import kind, kview
 from engineprofiles.rounding import round_to
 
@@ -18,20 +18,20 @@ from ..helpers import assert_same_bits, interpreted_kernel
 def _round_kernel(X, Y_F32, Y_ACT, n, FP16: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    y = _rne.rne(tl.load(X + offs, mask=m, other=0.0), FP16)
+    y = tl_rounding.rne(tl.load(X + offs, mask=m, other=0.0), FP16)
     tl.store(Y_F32 + offs, y, mask=m)
-    _rne.store(Y_ACT + offs, y, m, KIND)
+    tl_rounding.store(Y_ACT + offs, y, m, KIND)
 
 
 @interpreted_kernel
 def _copy_kernel(X, Y, n, X_KIND: tl.constexpr, Y_KIND: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    v = _rne.load(X + offs, m, X_KIND)
+    v = tl_rounding.load(X + offs, m, X_KIND)
     if ROUND:
-        _rne.round_store(Y + offs, v, m, Y_KIND)
+        tl_rounding.round_store(Y + offs, v, m, Y_KIND)
     else:
-        _rne.store(Y + offs, v, m, Y_KIND)
+        tl_rounding.store(Y + offs, v, m, Y_KIND)
 
 
 def _special_fp32() -> torch.Tensor:
@@ -64,7 +64,7 @@ def test_rne_kernel_matches_round_to_on_special_values_and_random_bit_patterns(d
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_loads_and_stores_of_every_16_bit_pattern_are_exact(dtype):
     """Widening every BF16/FP16 bit pattern to FP32 and narrowing it back is exact (the
-    interpreter's own BF16 conversions get subnormals wrong; _rne.load/store do not)."""
+    interpreter's own BF16 conversions get subnormals wrong; tl_rounding.load/store do not)."""
     x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     n = x.numel()
     wide = torch.empty(n, dtype=torch.float32)

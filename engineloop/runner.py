@@ -10,16 +10,14 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ..errors import EngineProfilesError
-from ..store import shipped_dir
-from .base import Adapter, EngineNotInstalled
+from engineprofiles.errors import EngineProfilesError
+from engineprofiles.probe.base import EngineNotInstalled
+from engineprofiles.store import shipped_dir
 
-if TYPE_CHECKING:  # torch is loaded by the process that probes, not by one that hands over
-    import torch
+if TYPE_CHECKING:
+    from engineprofiles.schema import Profile
 
-    from ..schema import Profile
-
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 ENGINES_DIR = Path(os.environ.get("ENGINEPROFILES_ENGINES", REPO / ".engines"))
 ENGINE_MODULE = {"vllm": "vllm", "sglang": "sglang", "transformers": "transformers"}
 DEFAULT_VERSION = {"vllm": "0.32.0", "sglang": "0.5.23"}
@@ -72,7 +70,7 @@ def reexec_in(python: Path, argv: list[str], note: Callable[[str], None]) -> int
     note(f"running in the {python.parent.parent.name} environment ({python})")
     env = dict(os.environ, ENGINEPROFILES_REEXEC="1")
     env.setdefault("ENGINEPROFILES_DIR", str(shipped_dir()))
-    return subprocess.call([str(python), "-m", "engineprofiles.cli", *argv], env=env)
+    return subprocess.call([str(python), "-m", "engineloop.cli", *argv], env=env)
 
 
 def output_path(output: str | None) -> tuple[Path | None, bool]:
@@ -92,22 +90,6 @@ def output_path(output: str | None) -> tuple[Path | None, bool]:
     if not is_dir and p.exists() and not os.access(p, os.W_OK):
         raise OutputNotWritable(f"cannot write the profile to {output}: the file is not writable")
     return p, is_dir
-
-
-def make_adapter(engine: str, mode: str, dtype: torch.dtype, device: str, model: str | None = None) -> Adapter:
-    if engine == "vllm":
-        from .adapters.vllm import VllmAdapter
-
-        return VllmAdapter(mode=mode, dtype=dtype, device=device)
-    if engine == "sglang":
-        from .adapters.sglang import SglangAdapter
-
-        return SglangAdapter(mode=mode, dtype=dtype, device=device)
-    if engine == "transformers":
-        from .adapters.transformers import TransformersAdapter
-
-        return TransformersAdapter(mode=mode, dtype=dtype, device=device, family=model)
-    raise EngineProfilesError(f"unknown engine {engine!r}")
 
 
 def write_profile(profile: Profile, target: Path, is_dir: bool) -> Path:

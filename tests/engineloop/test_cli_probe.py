@@ -8,8 +8,8 @@ import sys
 import yaml
 from typer.testing import CliRunner
 
-from engineprofiles.cli import app
-from engineprofiles.probe import runner as probe_runner
+from engineloop.cli import app
+from engineloop import runner as probe_runner
 
 cli = CliRunner()
 
@@ -30,7 +30,7 @@ def test_output_under_a_file_fails_before_probing(tmp_path, monkeypatch):
     f = tmp_path / "file"
     f.write_text("x")
     called = []
-    monkeypatch.setattr(probe_runner, "make_adapter", lambda *a, **k: called.append(1))
+    monkeypatch.setattr("engineprofiles.probe.adapters.make_adapter", lambda *a, **k: called.append(1))
     r = cli.invoke(app, ["transformers", "-o", str(f / "sub" / "x.yaml")])
     assert r.exit_code == 2 and "cannot write" in r.output and not called
 
@@ -76,7 +76,7 @@ def test_region_names_agree_with_the_region_specs():
 
 
 def test_the_process_that_hands_over_does_not_load_torch():
-    code = ("import sys, engineprofiles.cli, engineprofiles.probe.runner, engineprofiles.store; "
+    code = ("import sys, engineloop.cli, engineloop.runner, engineprofiles.store; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -84,11 +84,11 @@ def test_the_process_that_hands_over_does_not_load_torch():
 
 
 def test_module_entry_point_writes_and_flushes_everything_before_its_fast_exit(tmp_path):
-    # `python -m engineprofiles.cli` (how probe-engine runs in an engine environment) skips the
+    # `python -m engineloop.cli` (how probe-engine runs in an engine environment) skips the
     # interpreter's teardown after a probe: the profile and all output must be complete by then.
     env = dict(os.environ, COLUMNS="200", ENGINEPROFILES_REEXEC="1")
     out = tmp_path / "p.yaml"
-    r = subprocess.run([sys.executable, "-m", "engineprofiles.cli", "transformers", "--quick", "-o", str(out), "--yaml"],
+    r = subprocess.run([sys.executable, "-m", "engineloop.cli", "transformers", "--quick", "-o", str(out), "--yaml"],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert "rounding sites" in r.stdout
@@ -97,10 +97,10 @@ def test_module_entry_point_writes_and_flushes_everything_before_its_fast_exit(t
     assert "wrote" in r.stderr
     assert yaml.safe_load(out.read_text())["regions"]["swiglu"]["sites"] == {"silu": "rounded"}
     # errors and other commands end the normal way, with their exit codes
-    r = subprocess.run([sys.executable, "-m", "engineprofiles.cli", "transformers", "--dtype", "fp8", "-o", str(out)],
+    r = subprocess.run([sys.executable, "-m", "engineloop.cli", "transformers", "--dtype", "fp8", "-o", str(out)],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "fp8" in r.stderr
     bad = tmp_path / "bad.yaml"
     bad.write_text("schema_version: 9\n")
-    r = subprocess.run([sys.executable, "-m", "engineprofiles.cli", "validate", str(bad)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "engineloop.cli", "validate", str(bad)], capture_output=True, text=True)
     assert r.returncode == 1 and "schema_version" in r.stderr

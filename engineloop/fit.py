@@ -132,9 +132,8 @@ def fit_profile(model, capture: dict[str, Any], start: "Profile", note=lambda m:
     teacher-forced trainer matches the engine's tensors on the most elements (ties keep the current
     point). Two passes, or until nothing changes."""
     from emulator.patching import apply_profile
-
-    from ..regions import REGIONS
-    from ..schema import make_profile
+    from engineprofiles.regions import REGIONS
+    from engineprofiles.schema import make_profile
 
     def run(points, label):
         prof = make_profile(engine=start.engine, dtype=start.dtype, points=points,
@@ -175,9 +174,9 @@ def fit_profile(model, capture: dict[str, Any], start: "Profile", note=lambda m:
 def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any], family: str, command: str) -> "Profile":  # noqa: F821
     import datetime as _dt
 
-    from .. import PROBE_VERSION, __version__
-    from ..regions import REGIONS
-    from ..schema import make_profile
+    from engineprofiles import PROBE_VERSION, __version__
+    from engineprofiles.regions import REGIONS
+    from engineprofiles.schema import make_profile
 
     n_seq = len(capture["sequences"])
     n_tok = sum(len(s["prompt"]) + len(s["completion"]) for s in capture["sequences"])

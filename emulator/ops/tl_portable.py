@@ -1,5 +1,8 @@
 """Portable FP32 math inside Triton kernels: a line-by-line mirror of :mod:`engineprofiles.portable`.
 
+Not a second home of the math: it is its Triton translation (Triton code cannot call torch), with
+every constant taken from there, and tests/emulator/ops/test_portable.py checks the two bit for bit.
+
 Every value is a fixed sequence of correctly rounded FP32 additions, multiplications, divisions
 (``tl.div_rn``) and square roots (``tl.sqrt_rn``), plus exact bit manipulation. Kernels are
 launched with multiply-add contraction disabled (``enable_fp_fusion=False``), so a GPU computes
@@ -26,7 +29,7 @@ C2: tl.constexpr = tl.constexpr(_p.EXP_COEFFS[5])
 EXP_MAX: tl.constexpr = tl.constexpr(_p.EXP_MAX)
 EXP_MIN: tl.constexpr = tl.constexpr(_p.EXP_MIN)
 REDUCE_LANES: tl.constexpr = tl.constexpr(_p.REDUCE_LANES)
-assert len(_p.EXP_COEFFS) == 6, "portable.exp changed its polynomial: update emulator/ops/_portable.py"
+assert len(_p.EXP_COEFFS) == 6, "portable.exp changed its polynomial: update emulator/ops/tl_portable.py"
 
 
 @triton.jit

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from engineprofiles.errors import EngineProfilesError
-from engineprofiles.insitu.fit import compare, fit_profile
-from engineprofiles.insitu.mismatch import combine, run_mismatch
-from engineprofiles.insitu.standin import capture_from_trainer
+from engineloop.fit import compare, fit_profile
+from engineloop.mismatch import combine, run_mismatch
+from engineloop.standin import capture_from_trainer
 from engineprofiles.models import tiny_model
-from engineprofiles.probe import runner
+from engineloop import runner
 from engineprofiles.store import get_profile
 
 import triton  # noqa: F401,E402  the emulator is a test dependency: without it these tests fail, never skip
@@ -86,7 +86,7 @@ def test_mismatch_without_the_engine_environment_names_the_script(tmp_path, monk
 def test_an_in_situ_profile_records_the_machine_the_engine_ran_on(model, planted):
     # The engine description comes from the op-level start, but the evidence was measured where
     # the capture ran: its CPU capability and torch version win.
-    from engineprofiles.insitu.fit import in_situ_profile
+    from engineloop.fit import in_situ_profile
 
     target, cap = planted
     cap = dict(cap, engine=dict(cap["engine"], cpu_capability="TEST_ISA", torch_version="9.9.9+test"))

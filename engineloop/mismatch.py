@@ -17,12 +17,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import EngineProfilesError
-from ..metrics import Mismatch, mismatch
-from ..models import FAMILIES
-from ..regions import REGIONS
-from ..schema import Profile, make_profile
-from ..store import get_profile, shipped_names
+from engineprofiles.errors import EngineProfilesError
+from engineprofiles.metrics import Mismatch, mismatch
+from engineprofiles.models import FAMILIES
+from engineprofiles.regions import REGIONS
+from engineprofiles.schema import Profile, make_profile
+from engineprofiles.store import get_profile, shipped_names
 
 # The residual RMSNorm region covers both call forms.
 ABLATIONS = {"rope": ("rope",), "swiglu": ("swiglu",), "rmsnorm": ("add_rmsnorm", "rmsnorm")}
@@ -77,12 +77,12 @@ def sequence_logprobs(model, seq: dict[str, Any]) -> tuple[torch.Tensor, torch.T
 
 def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_tokens: int, seed: int,
                 env: str | None, note: Callable[[str], None]) -> dict[str, Any]:
-    from ..probe import runner
+    from . import runner
 
     # Inside the engine's own environment (scripts/probe.sh runs there) capture with this python.
     py = Path(sys.executable) if (runner.engine_importable(engine) and env is None) else runner.find_engine_python(engine, env)
     note(f"running {engine} from {py.parent.parent.name} on the tiny model (engine start-up takes minutes)")
-    cmd = [str(py), "-m", "engineprofiles.insitu.capture", engine, "--model", str(model_dir), "--out", str(out),
+    cmd = [str(py), "-m", "engineloop.capture", engine, "--model", str(model_dir), "--out", str(out),
            "--prompts", str(prompts), "--max-tokens", str(max_tokens), "--seed", str(seed)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -97,8 +97,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     if family not in FAMILIES:
         raise EngineProfilesError(f"unknown model family {family!r}; families: {', '.join(FAMILIES)}")
     from emulator.patching import apply_profile
-
-    from ..models import tiny_model
+    from engineprofiles.models import tiny_model
 
     model = tiny_model(family, seed=seed).eval()
     with tempfile.TemporaryDirectory() as tmp:

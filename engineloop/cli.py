@@ -10,8 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import __version__
-from .errors import EngineProfilesError
+from engineprofiles import __version__
+from engineprofiles.errors import EngineProfilesError
 
 # render and store (and through them torch) are imported inside the commands that use them, so
 # that `probe-engine vllm` starts and hands over to the engine's environment without loading torch
@@ -36,7 +36,7 @@ def _fail(e: Exception, code: int = 2) -> None:
 @app.command()
 def validate(profiles: list[str] = typer.Argument(..., help="profile files or shipped names")) -> None:
     """Check profiles against the schema; exit 1 if any is invalid."""
-    from . import store
+    from engineprofiles import store
 
     bad = 0
     for name in profiles:
@@ -54,7 +54,7 @@ def validate(profiles: list[str] = typer.Argument(..., help="profile files or sh
 @app.command()
 def show(profile: str = typer.Argument(..., help="a profile file or shipped name")) -> None:
     """Print a profile's rounding sites per region, with the evidence behind them."""
-    from . import render, store
+    from engineprofiles import render, store
 
     try:
         p = store.get_profile(profile)
@@ -66,7 +66,7 @@ def show(profile: str = typer.Argument(..., help="a profile file or shipped name
 @app.command("list")
 def list_profiles() -> None:
     """List the profiles shipped in profiles/ (engine, version, backend, mode, dtype)."""
-    from . import store
+    from engineprofiles import store
 
     d = store.shipped_dir()
     names = store.shipped_names()
@@ -97,8 +97,8 @@ def diff(
 
     Formula variants, evidence and provenance differences are shown but do not count as site
     differences."""
-    from . import render, store
-    from .diff import diff_profiles
+    from engineprofiles import render, store
+    from engineprofiles.diff import diff_profiles
 
     if format not in ("table", "markdown", "json"):
         _fail(EngineProfilesError(f"--format must be table, markdown or json; got {format!r}"))
@@ -135,8 +135,8 @@ def mismatch(
     import json
     import time
 
-    from . import render
-    from .insitu.mismatch import run_mismatch
+    from . import tables
+    from .mismatch import run_mismatch
 
     if engine != "vllm":
         _fail(EngineProfilesError(f"mismatch runs vllm only; {engine!r}: SGLang's CPU engine needs a stub sgl_kernel to start (see docs/mismatch.md)"))
@@ -147,14 +147,14 @@ def mismatch(
                            note=lambda m: err.print(f"  [{time.perf_counter() - t0:6.1f}s] {m}", highlight=False))
     except EngineProfilesError as e:
         _fail(e)
-    out.print(render.mismatch_table(rep))
+    out.print(tables.mismatch_table(rep))
     if json_out:
-        from .schema import write_atomic
+        from engineprofiles.schema import write_atomic
 
         write_atomic(Path(json_out), json.dumps(rep.as_dict(), indent=2))
         err.print(f"wrote {json_out}")
     if plot:
-        render.mismatch_plot(rep, plot)
+        tables.mismatch_plot(rep, plot)
         err.print(f"wrote {plot}")
 
 
@@ -179,8 +179,9 @@ def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str
     import sys
     import time
 
-    from .names import check_dtype_name, check_region_name
-    from .probe import runner
+    from engineprofiles.names import check_dtype_name, check_region_name
+
+    from . import runner
 
     try:
         check_dtype_name(dtype)
@@ -190,7 +191,7 @@ def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str
         if not runner.engine_importable(engine) and not os.environ.get("ENGINEPROFILES_REEXEC"):
             python = runner.find_engine_python(engine, env)
             raise typer.Exit(runner.reexec_in(python, sys.argv[1:], lambda m: err.print(m, highlight=False)))
-        from . import render, rounding
+        from engineprofiles import render, rounding
 
         dt = rounding.act_dtype(dtype)
         if not runner.engine_importable(engine):
@@ -198,11 +199,12 @@ def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str
                 f"{engine} is not importable in {sys.executable}; make its environment with "
                 f"`{runner.install_hint(engine)}`"
             )
-        from .probe.harness import run_probe
+        from engineprofiles.probe.adapters import make_adapter
+        from engineprofiles.probe.harness import run_probe
 
         t0 = time.perf_counter()
         err.print(f"[bold]probing {engine}[/bold] (mode {mode}, {dtype}, {device}, seed {seed})", highlight=False)
-        adapter = _patched_adapter(model, apply, dt, device) if apply else runner.make_adapter(engine, mode, dt, device, model)
+        adapter = _patched_adapter(model, apply, dt, device) if apply else make_adapter(engine, mode, dt, device, model)
         err.print(f"  {engine} loaded in {time.perf_counter() - t0:.1f}s", highlight=False)
 
         def progress(msg: str) -> None:
@@ -239,10 +241,9 @@ def _patched_adapter(family: Optional[str], profile: str, dt, device: str):
     """The transformers adapter on a tiny ``family`` model patched with ``profile`` (the closed
     loop: probing it should give back the profile's sites). emulator is imported only here."""
     from emulator import apply_profile
-
-    from . import store
-    from .models import tiny_model
-    from .probe.adapters.transformers import TransformersAdapter
+    from engineprofiles import store
+    from engineprofiles.models import tiny_model
+    from engineprofiles.probe.adapters.transformers import TransformersAdapter
 
     prof = store.get_profile(profile)
     model = tiny_model(family or "qwen2", dtype=dt, device=device)
@@ -258,11 +259,12 @@ def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Op
 
     import torch
 
-    from . import render, store
-    from .insitu.fit import fit_profile, in_situ_profile
-    from .insitu.mismatch import run_capture
-    from .models import tiny_model
-    from .probe import runner
+    from engineprofiles import render, store
+    from engineprofiles.models import tiny_model
+
+    from . import runner, tables
+    from .fit import fit_profile, in_situ_profile
+    from .mismatch import run_capture
 
     t0 = time.perf_counter()
 
@@ -297,7 +299,7 @@ def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Op
     except EngineProfilesError as e:
         _fail(e)
     render.show(profile, out)
-    out.print(render.in_situ_table(fit))
+    out.print(tables.in_situ_table(fit))
     if print_yaml or target is None:
         out.print(profile.to_yaml(), highlight=False, markup=False, soft_wrap=True)
     if target is not None:
@@ -388,7 +390,7 @@ def main() -> None:
 
 
 def _main_exit_fast() -> None:
-    """`python -m engineprofiles.cli`: how probe-engine runs itself in an engine's environment.
+    """`python -m engineloop.cli`: how probe-engine runs itself in an engine's environment.
 
     After a probe has written its profile (atomically) and flushed its output, the process ends
     with os._exit: the interpreter's teardown of vLLM + torch + Inductor takes ~2 s on a 2-core CPU

@@ -1,7 +1,7 @@
 import pytest
 from typer.testing import CliRunner
 
-from engineprofiles.cli import app
+from engineloop.cli import app
 from engineprofiles.store import ENV_VAR
 
 runner = CliRunner()

@@ -1,6 +1,9 @@
 """Round-to-nearest-even inside Triton kernels, with integer arithmetic on the FP32 bit pattern.
 
-A line-by-line mirror of :func:`engineprofiles.rounding.round_to`: the result is an FP32 value
+Not a second home of the rounding: it is the Triton translation of
+:func:`engineprofiles.rounding.round_to` (Triton code cannot call torch), line by line, with the
+format constants taken from there, and tests/emulator/ops/test_rne.py checks the two bit for bit on
+every special value. Like ``round_to``: the result is an FP32 value
 exactly representable in the activation dtype (BF16 or FP16), ties to even, NaN kept NaN, +-Inf
 kept, overflow to +-Inf and the target's subnormals handled. Because the rounding is done on
 integers, it does not depend on how the device or the Triton interpreter converts floats (the
@@ -14,13 +17,24 @@ GPU) gives a NaN on both, never an Inf. NaN payloads are not part of the semanti
 
 from __future__ import annotations
 
+import struct
+
 import triton
 import triton.language as tl
 
-# (mantissa bits, minimum normal exponent, bit pattern of the largest finite value as FP32,
-#  bit pattern of the smallest subnormal as FP32, bit pattern of half of it as FP32)
-BF16_FORMAT = (7, -126, 0x7F7F0000, 0x00010000, 0x00008000)
-FP16_FORMAT = (10, -14, 0x477FE000, (103 << 23), (102 << 23))
+from engineprofiles.rounding import FP16_EMIN, FP16_MANT, FP16_MAX
+
+
+def _bits(v: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", v))[0]
+
+
+# FP16 as FP32 bit patterns: the largest finite value, the smallest subnormal, half of it.
+FP16_MANT_C: tl.constexpr = tl.constexpr(FP16_MANT)
+FP16_EMIN_C: tl.constexpr = tl.constexpr(FP16_EMIN)
+FP16_MAX_BITS: tl.constexpr = tl.constexpr(_bits(FP16_MAX))
+FP16_MIN_SUB_BITS: tl.constexpr = tl.constexpr(_bits(2.0 ** (FP16_EMIN - FP16_MANT)))
+FP16_HALF_SUB_BITS: tl.constexpr = tl.constexpr(_bits(2.0 ** (FP16_EMIN - FP16_MANT - 1)))
 
 
 @triton.jit
@@ -70,7 +84,7 @@ def _round_to_bf16(x):
 def rne(x, FP16: tl.constexpr):
     """Round FP32 ``x`` to the nearest BF16 (``FP16`` false) or FP16 value; the result is FP32."""
     if FP16:
-        return _round_to_format(x, 10, -14, 0x477FE000, 103 << 23, 102 << 23)
+        return _round_to_format(x, FP16_MANT_C, FP16_EMIN_C, FP16_MAX_BITS, FP16_MIN_SUB_BITS, FP16_HALF_SUB_BITS)
     else:
         return _round_to_bf16(x)
 

@@ -2,7 +2,7 @@
 
 Run inside the engine's environment (``probe-engine mismatch`` does this for you):
 
-    python -m engineprofiles.insitu.capture vllm --model DIR --out FILE.pt [--prompts N] [--max-tokens N]
+    python -m engineloop.capture vllm --model DIR --out FILE.pt [--prompts N] [--max-tokens N]
 
 For each prompt the engine first samples a completion (decode path: the sampled tokens and their
 log-probs, as an RL rollout records them), then re-scores prompt + completion in one prefill with

@@ -1,0 +1,64 @@
+"""Load a profile into a HF transformers model: ``handle = emulator.apply_profile(model, profile)``.
+
+The patch makes the trainer round where the engine rounds, in the three regions of the rounding
+model, by binding per-instance forwards on the model's own modules (found by class on the live
+model, so PEFT-wrapped and already-instantiated models work):
+
+* SwiGLU: the MLP computes ``down_proj(swiglu(gate_proj(x), up_proj(x)))``.
+* RoPE: the attention applies ``functional.rope`` to q and k with FP32 cos/sin (the rotary
+  embedding returns them in FP32, computed from ``rope_theta`` as
+  :func:`engineprofiles.regions.rope_cos_sin` does, as engines do, whatever the dtype of HF's
+  ``inv_freq`` buffer); Qwen3's q/k norms are plain RMSNorm sites, and an FP32 ``output`` is
+  handed on to RoPE.
+* Residual RMSNorm: the decoder layer runs the engine's residual path, where the add is fused
+  into the next norm. Per layer ``i`` (``m`` = MLP output, ``a`` = attention output)::
+
+      layer 0:  residual = h; x = rmsnorm(h)                       [profile.rmsnorm]
+      layer i:  x, residual = add_rmsnorm(m_prev, residual)        [profile.add_rmsnorm]
+                a = self_attn(x)
+                x2, residual = add_rmsnorm(a, residual)
+                m = mlp(x2)
+      final:    out, _ = add_rmsnorm(m_last, residual)
+
+  HF's decoder loop passes one tensor between layers, so each patched layer returns
+  ``h = m + residual`` (in the residual's dtype: an FP32 residual stream stays FP32) and records
+  ``(m, residual)`` in a per-model stash keyed by where ``h`` lives (data pointer, shape, stride,
+  dtype; FSDP2's hooks re-wrap tensors, so not by identity). The next layer and the final norm
+  look their input up there. An entry lives exactly as long as ``h``'s storage (gradient
+  checkpointing keeps it for the recompute); expired entries are dropped. The gradient reaches
+  the previous layer through ``h`` (:class:`_Carry`), so reentrant checkpointing and FSDP2's
+  post-backward hooks see it where HF's would.
+
+Regions whose profile point is the one HF's own module computes (:data:`NATIVE`) are left as
+they are unless ``skip_native=False``: HF's code already rounds there, and its autograd backward
+is kept, so applying the trainer's own profile changes no bit of the outputs or the gradients.
+(RoPE is emulated anyway when the model's ``inv_freq`` buffer was rounded by ``model.to(dtype)``.)
+Emulated regions use the emulator's straight-through FP32 backward.
+
+All or nothing: every check runs before anything changes; a refused model is untouched.
+Applying a profile to a model that is already patched raises :class:`AlreadyPatched` (remove the
+first handle, then apply another). ``handle.remove()`` restores the original modules exactly.
+torch.compile of a patched model is refused (:class:`CompileUnsupported`): Inductor rewrites the
+rounding inside the code it compiles (the vLLM profiles measure exactly that), so a compiled
+patched model would no longer round where the profile says.
+
+Layout: :mod:`.families` (what a family is), :mod:`.carry` (the residual stream between
+layers), :mod:`.forwards` (the bound forwards), :mod:`.guard` (the compile refusal),
+:mod:`.handle` (the way back), :mod:`.apply` (the checks and the patch).
+"""
+
+from ..errors import (
+    AlreadyPatched,
+    CompileUnsupported,
+    PatchError,
+    ResidualStreamLost,
+    UnsupportedModel,
+)
+from .apply import apply_profile
+from .families import FAMILIES, NATIVE, Family
+from .handle import PatchHandle, patched_modules
+
+__all__ = [
+    "apply_profile", "PatchHandle", "FAMILIES", "NATIVE", "Family", "PatchError", "UnsupportedModel", "AlreadyPatched",
+    "CompileUnsupported", "ResidualStreamLost", "patched_modules",
+]

@@ -1,0 +1,162 @@
+"""apply_profile: check everything, then patch; nothing changes before every check passes."""
+
+from __future__ import annotations
+
+import torch
+
+from engineprofiles.regions import FP32, REGIONS, Point
+from engineprofiles.rounding import ACT_DTYPES
+from engineprofiles.schema import Profile
+from engineprofiles.store import get_profile
+
+from ..errors import (
+    AlreadyPatched,
+    CompileUnsupported,
+    ProfileMismatch,
+    RegionUnavailable,
+    UnsupportedModel,
+)
+from . import forwards as fw
+from .carry import Stash
+from .families import NATIVE, Decoder, check_decoder, families_text, find_decoders
+from .guard import COMPILE_MESSAGE, compile_guard, compiled_modules
+from .handle import ACTIVE, PATCHED_ATTR, PatchHandle
+
+
+def _check_dtype(d: Decoder, profile: Profile, act: torch.dtype) -> None:
+    """Every weight the model computes with must be in the profile's dtype (PEFT adapter weights,
+    which PEFT keeps in FP32 and casts its output back, are exempt)."""
+    for name, prm in d.module.named_parameters():
+        if any(part.startswith("lora_") for part in name.split(".")):
+            continue
+        if prm.is_floating_point() and prm.dtype != act:
+            raise ProfileMismatch(
+                f"{d.path}.{name} is {prm.dtype}, but profile {profile.canonical_name} was measured in {profile.dtype}: "
+                f"the model must run in the profile's dtype (load it with dtype=torch.{profile.dtype}), or use a "
+                f"profile probed in {prm.dtype}"
+            )
+
+
+def _check_patchable(model: torch.nn.Module, decoders: list[Decoder]) -> None:
+    compiled = compiled_modules(model)
+    if compiled:
+        raise CompileUnsupported(f"{COMPILE_MESSAGE}; compiled here: {', '.join(compiled[:4])}")
+    for d in decoders:
+        handle = ACTIVE.get(d.module)
+        if handle is None:
+            for _, mod in d.module.named_modules():
+                fwd = mod.__dict__.get("forward")
+                handle = handle or getattr(getattr(fwd, "__func__", fwd), PATCHED_ATTR, None)
+        if handle is not None:
+            raise AlreadyPatched(
+                f"{d.path} is already patched with profile {handle.profile.canonical_name}; applying twice is an "
+                "error: call remove() on the first handle, then apply the new profile"
+            )
+        for path, mod in d.module.named_modules():
+            if "forward" in mod.__dict__:
+                where = f"{d.path}.{path}" if path else d.path
+                raise UnsupportedModel(
+                    f"{where} ({type(mod).__name__}) already has a per-instance forward (accelerate hooks or another "
+                    "patch); apply_profile binds its own forwards and would discard it"
+                )
+
+
+def _regions(profile: Profile) -> dict[str, Point]:
+    points = {}
+    for r in REGIONS:
+        if not profile.available(r):
+            raise RegionUnavailable(
+                f"profile {profile.canonical_name} records region {r} as unavailable "
+                f"({profile.entry(r).evidence.reason}); apply_profile needs every region the model runs "
+                f"({', '.join(REGIONS)}), so it changes nothing: use a profile in which all were measured"
+            )
+        points[r] = REGIONS[r].canonicalize(profile.point(r))
+    return points
+
+
+def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native: bool = True) -> PatchHandle:
+    """Patch ``model`` (a HF transformers Qwen2/Qwen2.5, Qwen3 or Llama model, possibly wrapped by
+    PEFT or FSDP2) in place so that RoPE, SwiGLU and the residual RMSNorm round where ``profile``
+    says. ``profile``: a Profile, a path or a shipped name. Returns a :class:`PatchHandle`
+    (``remove()`` reverts; also a context manager).
+
+    ``skip_native`` (default): regions where the profile's point is what HF's own module
+    computes (:data:`NATIVE`) keep HF's module and its autograd backward; ``False`` runs the
+    emulator there too (the same forward bits, the straight-through FP32 backward).
+
+    Refused, with nothing changed: a model of no supported family (or whose modules were
+    replaced), a RoPE type other than default, a profile whose dtype is not the model's or that
+    records a region as unavailable, a compiled model, a model already patched
+    (:class:`AlreadyPatched`: applying twice is an error)."""
+    prof = get_profile(profile)
+    act = ACT_DTYPES[prof.dtype]
+    decoders = find_decoders(model)
+    if not decoders:
+        raise UnsupportedModel(
+            f"{type(model).__name__} contains no decoder model of a supported family; supported: {families_text()}"
+        )
+    families = {d.family.name for d in decoders}
+    if len(families) > 1:
+        raise UnsupportedModel(f"{type(model).__name__} mixes decoder families ({', '.join(sorted(families))})")
+    points = _regions(prof)
+    for d in decoders:
+        check_decoder(d)
+        _check_dtype(d, prof, act)
+    _check_patchable(model, decoders)
+
+    fam = decoders[0].family
+    emulate = {r: (not skip_native) or points[r] != REGIONS[r].canonicalize(NATIVE[r]) for r in REGIONS}
+    # Qwen3's q/k norms handing FP32 on need the emulator's RoPE, which takes FP32 input.
+    qk_fp32 = fam.qk_norm and emulate["rmsnorm"] and points["rmsnorm"]["output"] == FP32
+    attention = emulate["rope"] or qk_fp32 or not all(d.inv_freq_exact for d in decoders)
+    handle = PatchHandle(
+        model, prof, fam,
+        emulated=tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention)),
+        native=tuple(r for r in REGIONS if not (emulate[r] or (r == "rope" and attention))),
+    )
+    try:
+        for d in decoders:
+            _patch_decoder(handle, d, prof, act, emulate, attention)
+    except BaseException:  # pragma: no cover - a bug; leave the model as it was
+        handle.remove()
+        raise
+    return handle
+
+
+def _patch_decoder(handle: PatchHandle, d: Decoder, prof: Profile, act: torch.dtype, emulate: dict[str, bool],
+                   attention: bool) -> None:
+    c, p, layers = d.classes, d.path, d.layers
+    ACTIVE[d.module] = handle
+    handle._undo.append(lambda: ACTIVE.pop(d.module, None))
+    guarded: list[torch.nn.Module] = [d.module, *layers]
+    if emulate["swiglu"]:
+        for i, layer in enumerate(layers):
+            handle._bind(f"{p}.layers.{i}.mlp", layer.mlp, fw.mlp(prof))
+            guarded.append(layer.mlp)
+    if emulate["rmsnorm"]:
+        handle._bind(f"{p}.layers.0.input_layernorm", layers[0].input_layernorm, fw.norm_plain(prof, act, to_act=True))
+        guarded.append(layers[0].input_layernorm)
+        if d.family.qk_norm:
+            for i, layer in enumerate(layers):
+                for n in ("q_norm", "k_norm"):
+                    mod = getattr(layer.self_attn, n)
+                    handle._bind(f"{p}.layers.{i}.self_attn.{n}", mod, fw.norm_plain(prof, act, to_act=False))
+                    guarded.append(mod)
+    if attention:
+        handle._bind(f"{p}.rotary_emb", d.module.rotary_emb, fw.rotary(d.rope_theta, d.rotary_dim))
+        for i, layer in enumerate(layers):
+            handle._bind(f"{p}.layers.{i}.self_attn", layer.self_attn,
+                         fw.attention(prof, d.family.qk_norm, c["eager_attention"]))
+            guarded.append(layer.self_attn)
+    if emulate["add_rmsnorm"]:
+        stash = Stash()
+        handle._stashes.append(stash)
+        for i, layer in enumerate(layers):
+            handle._bind(f"{p}.layers.{i}", layer, fw.layer(prof, stash, layers[0], f"{p}.layers.{i}"))
+        handle._bind(f"{p}.norm", d.module.norm, fw.final_norm(prof, stash, f"{p}.norm"))
+        guarded.append(d.module.norm)
+        # Drop entries whose hidden state is gone, before and after each forward of the model.
+        handle._hook(d.module.register_forward_pre_hook(lambda mod, args: stash.purge()))
+        handle._hook(d.module.register_forward_hook(lambda mod, args, out: stash.purge()))
+    for mod in guarded:
+        handle._hook(mod.register_forward_pre_hook(compile_guard))

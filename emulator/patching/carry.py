@@ -1,0 +1,71 @@
+"""The residual stream between patched decoder layers.
+
+Engines fuse each residual add into the next norm, so a patched layer needs the previous layer's
+(MLP output, residual) pair, not their sum; HF's decoder loop passes one tensor. Each patched layer
+returns ``h = m + residual`` and puts ``(m, residual)`` in a per-model :class:`Stash` keyed by
+where ``h`` lives; the next layer looks it up, and :class:`Carry` hands the pair on as values
+while the gradient flows through ``h``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _storage_ref(t: torch.Tensor):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+class Stash:
+    """(MLP output, residual) of each patched layer's output ``h``, found again by where ``h``
+    lives. An entry is valid while ``h``'s storage is alive (so it cannot match a tensor that
+    reuses the memory later), and is dropped once that storage is freed."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple:
+        return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride())
+
+    def put(self, h: torch.Tensor, m: torch.Tensor, residual: torch.Tensor) -> None:
+        self.purge()
+        self._entries[self._key(h)] = (_storage_ref(h), m, residual)
+
+    def get(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        e = self._entries.get(self._key(t))
+        if e is None or e[0].expired() or e[0] != _storage_ref(t):
+            return None
+        return e[1], e[2]
+
+    def purge(self) -> None:
+        for k in [k for k, e in self._entries.items() if e[0].expired()]:
+            del self._entries[k]
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class Carry(torch.autograd.Function):
+    """Hand the stashed (m, residual) on as values while the gradient flows through ``h``.
+
+    ``h = m + residual`` is what the previous layer returned; the next region is
+    ``add_rmsnorm(m, residual)``, whose backward gives both inputs the gradient of their FP32 sum
+    s (straight-through). So the gradient of h is that of the residual input (in h's dtype,
+    which is the residual's), and autograd carries it from h back to m and the residual."""
+
+    @staticmethod
+    def forward(ctx, h, pair):  # type: ignore[override]
+        m, residual = pair
+        return m.detach(), residual.detach()
+
+    @staticmethod
+    def backward(ctx, dm, dresidual):  # type: ignore[override]
+        return dresidual, None

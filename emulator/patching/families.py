@@ -1,0 +1,159 @@
+"""What a model family is, to apply_profile: one declarative entry per family.
+
+A :class:`Family` names the transformers module and class prefix of a decoder family and the few
+facts in which families differ (Qwen3's q/k norms). ``classes()`` finds the classes on the
+installed transformers; ``check_decoder`` checks that a live model is made of exactly those
+modules, with the RoPE and activation the regions model, before anything is patched. Adding a
+family with the same layer structure is one more entry in :data:`FAMILIES`.
+
+:data:`NATIVE` is the lattice point each region of HF's own modules computes (eager, any device),
+checked against the probe of the installed transformers by tests/emulator/test_patching.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engineprofiles.regions import (
+    ADD_SPEC,
+    PLAIN_SPEC,
+    ROPE_SPEC,
+    ROUNDED,
+    SWIGLU_SPEC,
+    Point,
+)
+
+from ..errors import UnsupportedModel
+
+# The lattice point each region's HF module computes (eager, any device): cos/sin cast to the
+# activation dtype and each product rounded (apply_rotary_pos_emb in BF16); act_fn(gate) rounded
+# before it multiplies up; the residual add in BF16 then a norm that rounds x*rstd before the
+# weight multiply. tests/emulator/test_patching.py checks these against the probe of the
+# installed transformers.
+NATIVE: dict[str, Point] = {
+    "rope": ROPE_SPEC.point(cos_sin=ROUNDED, products=ROUNDED, fma="none"),
+    "swiglu": SWIGLU_SPEC.point(silu=ROUNDED, silu_formula="fused"),
+    "add_rmsnorm": ADD_SPEC.point(
+        variance_input=ROUNDED, normalize_input=ROUNDED, normalized=ROUNDED, residual_out=ROUNDED, rstd="rsqrt"
+    ),
+    "rmsnorm": PLAIN_SPEC.point(normalized=ROUNDED, output=ROUNDED, rstd="rsqrt"),
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    models: str  # the HF model types it covers, for messages
+    module: str
+    prefix: str
+    qk_norm: bool
+
+    def classes(self) -> dict[str, Any]:
+        m = importlib.import_module(self.module)
+        p = self.prefix
+        return dict(
+            model=getattr(m, f"{p}Model"), layer=getattr(m, f"{p}DecoderLayer"), attention=getattr(m, f"{p}Attention"),
+            mlp=getattr(m, f"{p}MLP"), norm=getattr(m, f"{p}RMSNorm"), rotary=getattr(m, f"{p}RotaryEmbedding"),
+            eager_attention=m.eager_attention_forward,
+        )
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("qwen2", "Qwen2, Qwen2.5", "transformers.models.qwen2.modeling_qwen2", "Qwen2", qk_norm=False),
+        Family("qwen3", "Qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3", qk_norm=True),
+        Family("llama", "Llama", "transformers.models.llama.modeling_llama", "Llama", qk_norm=False),
+    )
+}
+
+
+def families_text() -> str:
+    return ", ".join(f"{f.name} ({f.models}: {f.prefix}Model)" for f in FAMILIES.values())
+
+
+@dataclass
+class Decoder:
+    path: str
+    module: torch.nn.Module
+    family: Family
+    classes: dict[str, Any]
+    rope_theta: float = 0.0
+    rotary_dim: int = 0
+    inv_freq_exact: bool = True  # HF's inv_freq buffer holds the FP32 frequencies engines use
+    layers: list[torch.nn.Module] = field(default_factory=list)
+
+
+def find_decoders(model: torch.nn.Module) -> list[Decoder]:
+    found: list[Decoder] = []
+    for fam in FAMILIES.values():
+        try:
+            cls = fam.classes()
+        except (ImportError, AttributeError):  # pragma: no cover - a transformers without this family
+            continue
+        for path, mod in model.named_modules():
+            if isinstance(mod, cls["model"]):
+                found.append(Decoder(path or "(top level)", mod, fam, cls))
+    return found
+
+
+def _check_module(path: str, mod: Any, cls: Any, what: str) -> None:
+    if not isinstance(mod, cls):
+        raise UnsupportedModel(
+            f"{path} is a {type(mod).__name__}, not the family's {cls.__name__} ({what}); apply_profile patches the "
+            "model's own transformers modules: apply it before other kernel patches (e.g. Liger), or not at all"
+        )
+
+
+def check_decoder(d: Decoder) -> None:
+    c, m, p = d.classes, d.module, d.path
+    layers = list(m.layers)
+    if not layers:
+        raise UnsupportedModel(f"{p} has no decoder layers")
+    for i, layer in enumerate(layers):
+        lp = f"{p}.layers.{i}"
+        _check_module(lp, layer, c["layer"], "decoder layer")
+        _check_module(f"{lp}.self_attn", layer.self_attn, c["attention"], "attention")
+        _check_module(f"{lp}.mlp", layer.mlp, c["mlp"], "MLP")
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            _check_module(f"{lp}.{n}", getattr(layer, n), c["norm"], "RMSNorm")
+        if d.family.qk_norm:
+            for n in ("q_norm", "k_norm"):
+                _check_module(f"{lp}.self_attn.{n}", getattr(layer.self_attn, n), c["norm"], "q/k RMSNorm")
+    _check_module(f"{p}.norm", m.norm, c["norm"], "final RMSNorm")
+    _check_module(f"{p}.rotary_emb", m.rotary_emb, c["rotary"], "rotary embedding")
+    cfg = m.config
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedModel(f"{p}: hidden_act is {act!r}; the SwiGLU region is silu(gate) * up (hidden_act 'silu')")
+    rot = m.rotary_emb
+    rope_type = getattr(rot, "rope_type", "default")
+    if rope_type != "default":
+        raise UnsupportedModel(
+            f"{p}.rotary_emb: rope_type {rope_type!r} is not supported: profiles measure RoPE with the default "
+            "frequencies (rope_type 'default'); scaled variants (linear, dynamic, yarn, llama3, ...) change cos/sin "
+            "in ways the RoPE region does not model"
+        )
+    scaling = float(getattr(rot, "attention_scaling", 1.0))
+    if scaling != 1.0:
+        raise UnsupportedModel(f"{p}.rotary_emb: attention_scaling is {scaling}; only 1.0 (default RoPE) is supported")
+    params = getattr(cfg, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(cfg, "rope_theta", None))
+    if theta is None:
+        raise UnsupportedModel(f"{p}: the config has no rope_theta (rope_parameters['rope_theta'])")
+    head_dim = layers[0].self_attn.head_dim
+    rotary_dim = 2 * rot.inv_freq.numel()
+    if rotary_dim != head_dim:
+        raise UnsupportedModel(
+            f"{p}.rotary_emb rotates {rotary_dim} of {head_dim} lanes; only full-head RoPE is supported"
+        )
+    d.rope_theta, d.rotary_dim, d.layers = float(theta), rotary_dim, layers
+    # ``model.to(torch.bfloat16)`` also rounds the rotary embedding's FP32 inv_freq buffer, and HF
+    # then rotates by rounded frequencies, which no engine does; such a model gets the emulator's
+    # RoPE (cos/sin from rope_theta in FP32) even where HF's RoPE has the profile's rounding sites.
+    exact = 1.0 / (float(theta) ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    d.inv_freq_exact = rot.inv_freq.dtype == torch.float32 and torch.equal(rot.inv_freq.detach().cpu(), exact)

@@ -1,0 +1,121 @@
+"""The forwards apply_profile binds on a model's own modules (one factory per module kind)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from engineprofiles.regions import rope_cos_sin
+from engineprofiles.schema import Profile
+
+from .. import functional as F
+from ..errors import ResidualStreamLost
+from .carry import Carry, Stash
+
+
+def norm_plain(profile: Profile, act: torch.dtype, *, to_act: bool):
+    """A plain RMSNorm site (first layer's input norm, q/k norms). ``to_act``: the output feeds a
+    matmul, so an FP32 ``output`` site is rounded there (RNE, as the matmul's input)."""
+
+    def forward(self, hidden_states):
+        y = F.rmsnorm(hidden_states, self.weight, self.variance_epsilon, profile)
+        return y.to(act) if to_act and y.dtype != act else y
+
+    return forward
+
+
+def mlp(profile: Profile):
+    def forward(self, x):
+        return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x), profile))
+
+    return forward
+
+
+def rotary(theta: float, rotary_dim: int):
+    def forward(self, x, position_ids):
+        # FP32 cos/sin, in HF's layout [batch, tokens, rotary_dim] (halves repeated); the RoPE
+        # region's cos_sin site decides whether they are rounded.
+        cos, sin = rope_cos_sin(position_ids, rotary_dim, theta)
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
+    return forward
+
+
+def attention(profile: Profile, qk_norm: bool, eager_attention: Callable[..., Any]):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(hidden_shape)
+        k = self.k_proj(hidden_states).view(hidden_shape)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # may hand FP32 on to RoPE
+        cos, sin = position_embeddings
+        half = cos.shape[-1] // 2
+        cos, sin = cos[..., :half], sin[..., :half]
+        q = F.rope(q, cos, sin, profile, style="neox").transpose(1, 2)
+        k = F.rope(k, cos, sin, profile, style="neox").transpose(1, 2)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
+        extra = {"sliding_window": self.sliding_window} if hasattr(self, "sliding_window") else {}
+        out, weights = attention_interface(
+            self, q, k, v, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling, **extra, **kwargs,
+        )
+        out = out.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(out), weights
+
+    return forward
+
+
+def layer(profile: Profile, stash: Stash, first: torch.nn.Module, path: str):
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        if self is first:
+            residual = hidden_states
+            x = self.input_layernorm(hidden_states)  # plain RMSNorm: no add before the first layer
+        else:
+            carried = stash.get(hidden_states)
+            if carried is None:
+                raise ResidualStreamLost(
+                    f"{path}: this decoder layer's input was not produced by the patched layer before it, so the "
+                    "engine's fused residual add cannot be reproduced. Something between the layers replaced the "
+                    "hidden state (for example FSDP2's MixedPrecisionPolicy with cast_forward_inputs=True casting an "
+                    "FP32 residual stream, or a hook returning a new tensor); run the layers in order through the "
+                    "model's forward and do not cast or copy the hidden states between them"
+                )
+            m, r = Carry.apply(hidden_states, carried)
+            ln = self.input_layernorm
+            x, residual = F.add_rmsnorm(m, r, ln.weight, ln.variance_epsilon, profile)
+        a, _ = self.self_attn(
+            hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
+        )
+        ln = self.post_attention_layernorm
+        x2, residual = F.add_rmsnorm(a, residual, ln.weight, ln.variance_epsilon, profile)
+        m = self.mlp(x2)
+        h = m.to(residual.dtype) + residual
+        stash.put(h, m, residual)
+        return h
+
+    return forward
+
+
+def final_norm(profile: Profile, stash: Stash, path: str):
+    def forward(self, hidden_states):
+        carried = stash.get(hidden_states)
+        if carried is None:
+            raise ResidualStreamLost(
+                f"{path}: the final norm's input was not produced by the last patched decoder layer, so the "
+                "engine's fused residual add cannot be reproduced; call it through the model's forward"
+            )
+        m, r = Carry.apply(hidden_states, carried)
+        out, _ = F.add_rmsnorm(m, r, self.weight, self.variance_epsilon, profile)
+        return out
+
+    return forward

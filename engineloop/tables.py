@@ -1,0 +1,82 @@
+"""Terminal tables and plots of the engine-in-the-loop results: mismatch reports and in-situ fits
+(profiles and diffs are rendered by :mod:`engineprofiles.render`)."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+
+def mismatch_table(rep) -> Group:
+    e = rep.engine
+    head = Text()
+    head.append(f"{e['name']} {e['version']} ({e.get('compilation_mode', '')}) vs HF transformers, family {rep.family}\n",
+                style="bold")
+    head.append(f"profile applied: {rep.profile_name}; trainer's own: {rep.trainer_profile_name}\n")
+    for w in rep.warnings:
+        head.append(f"warning: {w}\n", style="red bold")
+    parts: list = [head]
+    for title, rows in (("sampled tokens (engine decode log-probs)", rep.rows),
+                        ("every token re-scored in one prefill (engine prompt log-probs)", rep.prefill_rows)):
+        t = Table(title=title)
+        for col in ("trainer", "exact", "k3 KL", "|dp| max", "|dp| mean", "|dlogp| mean", "|dlogp| max", "PPL ratio"):
+            t.add_column(col, no_wrap=True, min_width=22 if col == "trainer" else None)
+        for name, m in rows:
+            t.add_row(name, f"{100 * m.exact_match:.1f}%", f"{m.k3_kl:.1e}", f"{m.abs_dp_max:.1e}", f"{m.abs_dp_mean:.1e}",
+                      f"{m.abs_dlogp_mean:.1e}", f"{m.abs_dlogp_max:.1e}", f"{m.ppl_ratio:.5f}")
+        parts.append(t)
+    n = rep.rows[0][1].tokens if rep.rows else 0
+    parts.append(Text(f"{n} sampled tokens"))
+    return Group(*parts)
+
+
+def mismatch_plot(rep, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        from engineprofiles.errors import EngineProfilesError
+
+        raise EngineProfilesError(f"--plot needs matplotlib ({e}); pip install matplotlib") from None
+    names = [n for n, _ in rep.rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
+    axes[0].barh(names, [100 * m.exact_match for _, m in rep.rows])
+    axes[0].set_xlabel("exact-match fraction of sampled-token log-probs (%)")
+    axes[1].barh(names, [m.abs_dlogp_mean for _, m in rep.rows])
+    axes[1].set_xlabel("mean |logp_train - logp_engine|")
+    axes[1].set_yticklabels([])
+    axes[1].ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
+    e = rep.engine
+    fig.suptitle(f"{e['name']} {e['version']} vs HF trainer ({rep.family})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def in_situ_table(fit) -> Table:
+    """Bitwise match per captured tensor: the op-level start, the fitted profile, and for each
+    region the best candidate with other rounding sites there (the runner-up)."""
+    from engineprofiles.regions import REGIONS
+
+    runners = []
+    for region, results in fit.candidates.items():
+        spec = REGIONS[region]
+        win = fit.points[region]
+        others = [(r.total.matched, p, r) for p, r in results if spec.site_part(p) != spec.site_part(win)]
+        if others:
+            m, p, r = max(others, key=lambda x: x[0])
+            runners.append((f"runner-up {region}", p, r))
+    t = Table(title="in situ: bitwise match per captured tensor")
+    t.add_column("tensor")
+    t.add_column("op-level start")
+    t.add_column("in-situ fit")
+    for name, _, _ in runners:
+        t.add_column(name)
+    for k, v in fit.best.layers.items():
+        t.add_row(k, f"{100 * fit.start.layers[k].rate:.2f}%", f"{100 * v.rate:.2f}%",
+                  *[f"{100 * r.layers[k].rate:.2f}%" for _, _, r in runners])
+    for name, p, _ in runners:
+        t.caption = (t.caption + "\n" if t.caption else "") + f"{name}: {p.label()}"
+    return t
