@@ -21,6 +21,6 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name == "functional":
         return importlib.import_module(".functional", __name__)
-    if name in ("apply_profile", "PatchHandle"):  # model patching (emulator/patching.py)
+    if name in ("apply_profile", "PatchHandle"):  # model patching (emulator/patching/)
         return getattr(importlib.import_module(".patching", __name__), name)
     raise AttributeError(f"module 'emulator' has no attribute {name!r}")
