@@ -8,7 +8,9 @@ For each prompt the engine first samples a completion (decode path: the sampled 
 log-probs, as an RL rollout records them), then re-scores prompt + completion in one prefill with
 ``prompt_logprobs`` while the capture records, per decoder layer, the tensors that enter and leave
 attention (the attention backend's Python ``forward`` runs even when the rest of the model is
-compiled) and the final hidden states handed to the logits processor.
+compiled) and the final hidden states handed to the logits processor. The attention calls of the
+sampling itself (the prompt's prefill, then one call per decoded token) are kept too
+(``sample_calls``): they are the decode path's evidence for the attention probe.
 """
 
 from __future__ import annotations
@@ -63,10 +65,17 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
               max_model_len=512, max_num_seqs=1, seed=seed, **kw)
     _log(f"vLLM {vllm.__version__} engine up in {time.perf_counter() - t0:.1f}s")
 
-    state: dict[str, Any] = {"on": False, "attn": {}, "hidden": []}
+    state: dict[str, Any] = {"on": False, "attn": {}, "hidden": [], "backend": {}}
 
     def install(model):
         attn_layers = [m for m in model.modules() if type(m).__name__ == "Attention" and hasattr(m, "impl")]
+        if attn_layers:
+            first = attn_layers[0]
+            state["backend"] = dict(
+                impl=type(first.impl).__name__, backend=getattr(first.attn_backend, "get_name", lambda: "?")()
+                if hasattr(first, "attn_backend") else "?", scale=float(first.impl.scale),
+                sliding_window=int(getattr(first.impl, "sliding_window", -1) or -1),
+            )
         for i, layer in enumerate(attn_layers):
             impl = layer.impl
             orig = impl.forward
@@ -74,6 +83,9 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
             def wrapped(lyr, query, key, value, kv_cache, attn_metadata, output=None, *a, _i=i, _orig=orig, **k):
                 res = _orig(lyr, query, key, value, kv_cache, attn_metadata, output, *a, **k)
                 if state["on"] and attn_metadata is not None:
+                    if "isa" not in state["backend"] and getattr(lyr, "isa", None) is not None:
+                        state["backend"]["isa"] = str(lyr.isa)
+                        state["backend"]["block_size"] = int(kv_cache.shape[2]) if kv_cache.dim() == 4 else None
                     out = res if res is not None else output
                     state["attn"].setdefault(_i, []).append(
                         {"q": query.detach().clone(), "k": key.detach().clone(), "v": value.detach().clone(),
@@ -94,7 +106,10 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
     sequences = []
     for j, prompt in enumerate(prompts):
         sp = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + j, logprobs=0, detokenize=False)
+        state.update(on=True, attn={}, hidden=[])
         out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
+        state["on"] = False
+        sample_calls = [state["attn"].get(i, []) for i in range(n_layers)]
         completion = list(out.token_ids)
         sample_lp = [lp[tok].logprob for lp, tok in zip(out.logprobs, completion)]
         full = prompt + completion
@@ -111,13 +126,15 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
             layers.append(call)
         hidden = _full_hidden(state["hidden"], len(full))
         sequences.append(dict(prompt=prompt, completion=completion, sample_logprobs=sample_lp,
-                              prompt_logprobs=prompt_lp, layers=layers, hidden=hidden))
+                              prompt_logprobs=prompt_lp, layers=layers, hidden=hidden, sample_calls=sample_calls))
         _log(f"sequence {j + 1}/{len(prompts)}: {len(prompt)} prompt + {len(completion)} sampled tokens")
     cfg = llm.llm_engine.vllm_config.compilation_config
     return dict(
         engine=dict(name="vllm", version=vllm.__version__, torch_version=torch.__version__,
                     compilation_mode=str(getattr(cfg.mode, "name", cfg.mode)), mode=mode,
-                    cpu_capability=torch.backends.cpu.get_cpu_capability()),
+                    cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                    attention=dict(state["backend"], torch_threads=torch.get_num_threads(),
+                                   split_kv=bool(getattr(vllm.envs, "VLLM_CPU_ATTN_SPLIT_KV", False)))),
         model_dir=model_dir, sequences=sequences, seed=seed, seconds=time.perf_counter() - t0,
     )
 
@@ -129,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=12, help="length of the first prompt (the others add 1..4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode", default="default", choices=["default", "eager"])
     a = ap.parse_args(argv)
@@ -138,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with open(os.path.join(a.model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    data = capture_vllm(a.model, prompts_for(a.prompts, vocab, a.seed), a.max_tokens, a.seed, a.mode)
+    data = capture_vllm(a.model, prompts_for(a.prompts, vocab, a.seed, a.prompt_len), a.max_tokens, a.seed, a.mode)
     tmp = a.out + ".tmp"
     torch.save(data, tmp)
     os.replace(tmp, a.out)

@@ -229,3 +229,35 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any], family:
             seed=capture.get("seed"),
         ),
     )
+
+
+def attention_samples(capture: dict[str, Any]) -> list["AttentionSample"]:  # noqa: F821
+    """What the engine's attention took and returned, as probe samples: per sequence and layer, the
+    re-scoring prefill of the whole sequence, the sampling's prompt prefill, and the sampling's
+    decode calls stacked (each decode query sees the keys cached up to its own position)."""
+    from engineprofiles.probe.attention import AttentionSample
+
+    scale = float(capture["engine"].get("attention", {}).get("scale") or 0.0)
+    out: list[AttentionSample] = []
+    for seq in capture["sequences"]:
+        for i, lay in enumerate(seq["layers"]):
+            if lay is None:
+                continue
+            sc = scale or lay["q"].shape[-1] ** -0.5
+            out.append(AttentionSample(lay["q"], lay["k"], lay["v"], lay["out"], sc, "prefill"))
+            calls = (seq.get("sample_calls") or [[]] * len(seq["layers"]))[i]
+            if not calls:
+                continue
+            first = calls[0]
+            out.append(AttentionSample(first["q"], first["k"], first["v"], first["out"], sc, "prefill"))
+            dec = calls[1:]
+            if not dec or any(c["q"].shape[0] != 1 for c in dec):
+                continue
+            k = torch.cat([c["k"] for c in calls])
+            v = torch.cat([c["v"] for c in calls])
+            q = torch.cat([c["q"] for c in dec])
+            o = torch.cat([c["out"].reshape(1, *c["q"].shape[1:]) for c in dec])
+            pos = torch.arange(first["q"].shape[0], first["q"].shape[0] + len(dec))
+            mask = torch.arange(k.shape[0])[None, :] <= pos[:, None]
+            out.append(AttentionSample(q, k, v, o, sc, "decode", mask=mask))
+    return out

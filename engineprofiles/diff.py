@@ -2,7 +2,8 @@
 
 Sites decide the exit status; formula variants, evidence, engine and provenance differences are
 shown but are not site differences. A region available in one profile and unavailable in the
-other counts as a site difference (one side cannot be emulated).
+other counts as a site difference (one side cannot be emulated). Attention (what exact mode
+consumes) is compared the same way, after the regions.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .regions import REGIONS
 from .schema import Profile
 
 
@@ -81,8 +81,7 @@ def _fmt(v: Any) -> str:
 
 def diff_profiles(a: Profile, b: Profile, a_name: str = "A", b_name: str = "B") -> Diff:
     d = Diff(a_name, b_name)
-    for name, spec in REGIONS.items():
-        ea, eb = a.entry(name), b.entry(name)
+    for (name, spec, ea), (_, _, eb) in zip(a.entries(), b.entries()):
         if ea.sites is None or eb.sites is None:
             sa = "available" if ea.sites is not None else f"unavailable ({ea.evidence.reason})"
             sb = "available" if eb.sites is not None else f"unavailable ({eb.evidence.reason})"
@@ -103,12 +102,12 @@ def diff_profiles(a: Profile, b: Profile, a_name: str = "A", b_name: str = "B") 
         va, vb = a.engine.settings.get(k, "-"), b.engine.settings.get(k, "-")
         if va != vb:
             d.context.append((f"engine.settings.{k}", _fmt(va), _fmt(vb)))
-    for name in REGIONS:
-        ea, eb = a.entry(name).evidence, b.entry(name).evidence
+    for (name, _, ea), (_, _, eb) in zip(a.entries(), b.entries()):
+        where = "attention" if name == "attention" else f"regions.{name}"
         for f in ("match_rate", "max_ulp", "ambiguous", "shape_dependent", "nondeterministic"):
-            va, vb = getattr(ea, f), getattr(eb, f)
+            va, vb = getattr(ea.evidence, f), getattr(eb.evidence, f)
             if va != vb:
-                d.context.append((f"regions.{name}.evidence.{f}", _fmt(va), _fmt(vb)))
+                d.context.append((f"{where}.evidence.{f}", _fmt(va), _fmt(vb)))
     for f in ("method", "probe_version", "date"):
         va, vb = getattr(a.provenance, f), getattr(b.provenance, f)
         if va != vb:

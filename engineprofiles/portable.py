@@ -102,3 +102,24 @@ def mean_of_squares(x: torch.Tensor) -> torch.Tensor:
     while acc.shape[-1] > 1:
         acc = acc[..., 0::2] + acc[..., 1::2]
     return acc / _f32(float(n), x)
+
+
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded FP32 fused multiply-add ``a*b + c`` (one rounding), on any device.
+
+    The product of two FP32 values is exact in FP64; ``s = p + c`` in FP64 is within half an FP64
+    ulp of the exact sum, and TwoSum gives that error ``e`` exactly. Rounding ``s`` straight to FP32
+    could round twice; rounding to odd first (``s`` moved one FP64 ulp toward ``e`` when it is
+    inexact and even) keeps the information, and 53 >= 2*24 + 2 bits make the final RNE to FP32
+    the single correct rounding of ``a*b + c``.
+    """
+    a, b, c = torch.broadcast_tensors(a.double(), b.double(), c.double())
+    p = a * b
+    s = p + c
+    bp = s - c
+    e = (p - bp) + (c - (s - bp))
+    bits = s.view(torch.int64)
+    inexact_even = torch.isfinite(s) & (e != 0) & ((bits & 1) == 0)  # Inf/NaN pass through
+    away = (e > 0) == (s > 0)  # moving toward e increases |s|
+    bits = torch.where(inexact_even, bits + torch.where(away, 1, -1), bits)
+    return bits.view(torch.float64).float()

@@ -6,7 +6,6 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from .regions import REGIONS
 from .schema import Profile
 
 
@@ -40,8 +39,7 @@ def sites_table(p: Profile, wide: bool = True) -> Table:
     t = Table(title="rounding sites", show_lines=False)
     for col in ("region", "site", "choice", "meaning")[: 4 if wide else 3]:
         t.add_column(col)
-    for name, spec in REGIONS.items():
-        entry = p.entry(name)
+    for name, spec, entry in p.entries():
         if entry.sites is None:
             t.add_row(name, "-", "[red]unavailable[/red]", entry.evidence.reason or "")
             continue
@@ -61,8 +59,8 @@ def evidence_table(p: Profile) -> Table:
     t = Table(title="evidence")
     for col in ("region", "match", "runner-up", "max ulp", "shapes", "flags"):
         t.add_column(col)
-    for name in REGIONS:
-        ev = p.entry(name).evidence
+    for name, _, entry in p.entries():
+        ev = entry.evidence
         flags = [f for f in ("ambiguous", "shape_dependent", "nondeterministic") if getattr(ev, f)]
         if ev.status == "unavailable":
             flags.append("unavailable")
@@ -80,8 +78,8 @@ def evidence_table(p: Profile) -> Table:
 
 def notes(p: Profile) -> Text:
     t = Text()
-    for name in REGIONS:
-        ev = p.entry(name).evidence
+    for name, _, entry in p.entries():
+        ev = entry.evidence
         if ev.path:
             t.append(f"{name}: probed {ev.path}\n")
         for n in ev.notes:

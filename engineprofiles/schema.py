@@ -17,10 +17,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from .errors import ProfileError
-from .regions import REGIONS, Point, RegionSpec
+from .regions import ATTENTION_SPEC, REGIONS, Point, RegionSpec
 
-SCHEMA_VERSION = 1
-SUPPORTED_SCHEMA_VERSIONS = (1,)
+# 2: the ``attention`` entry (what exact mode consumes). Version 1 files load with it recorded as
+# not measured (:func:`migrate`); this package writes version 2 only.
+SCHEMA_VERSION = 2
+SUPPORTED_SCHEMA_VERSIONS = (1, 2)
+V1_ATTENTION_REASON = "not probed: the profile was written with schema version 1, before attention was measured; re-probe"
 
 Precision = Literal["fp32", "rounded"]
 SettingValue = Optional[str | int | float | bool | list[str]]
@@ -105,6 +108,7 @@ ENTRY_MODELS = {name: _entry_model(spec) for name, spec in REGIONS.items()}
 Regions = create_model(
     "Regions", __base__=StrictModel, **{name: (model, ...) for name, model in ENTRY_MODELS.items()}  # type: ignore[arg-type]
 )
+AttentionEntry = _entry_model(ATTENTION_SPEC)
 
 
 class Provenance(StrictModel):
@@ -123,17 +127,32 @@ class Profile(StrictModel):
     engine: EngineInfo
     dtype: Literal["bfloat16", "float16"]
     regions: Regions  # type: ignore[valid-type]
+    # Attention as the engine computes it (prefill and decode): not one of the regions the profile
+    # aligns, but what exact mode needs. ``evidence.status: unavailable`` with a reason when the
+    # probe did not measure it.
+    attention: AttentionEntry  # type: ignore[valid-type]
     provenance: Provenance
 
     # -- access ---------------------------------------------------------------------------
     def entry(self, region: str) -> Any:
         return getattr(self.regions, region)
 
+    def entries(self) -> list[tuple[str, RegionSpec, Any]]:
+        """(name, spec, entry) of every region, then attention: what diff and show walk through."""
+        return [(n, s, self.entry(n)) for n, s in REGIONS.items()] + [("attention", ATTENTION_SPEC, self.attention)]
+
     def available(self, region: str) -> bool:
+        if region == "attention":
+            return self.attention.evidence.status == "measured"
         return self.entry(region).evidence.status == "measured"
 
     def point(self, region: str) -> Point:
-        """The lattice point this profile assigns to ``region``."""
+        """The lattice point this profile assigns to ``region`` (or to ``attention``)."""
+        if region == "attention":
+            e = self.attention
+            if e.sites is None:
+                raise ProfileError(f"attention was not measured in this profile ({e.evidence.reason})", field="attention")
+            return ATTENTION_SPEC.point(e.sites.model_dump(), e.variants.model_dump())
         e = self.entry(region)
         if e.sites is None:
             raise ProfileError(
@@ -160,7 +179,13 @@ class Profile(StrictModel):
                 "variants": entry.variants.model_dump(),
                 "evidence": entry.evidence.model_dump(mode="json", exclude_defaults=True),
             }
-        ordered = {k: data[k] for k in ("schema_version", "engine", "dtype", "regions", "provenance")}
+        att = self.attention
+        data["attention"] = {
+            "sites": None if att.sites is None else att.sites.model_dump(),
+            "variants": att.variants.model_dump(),
+            "evidence": att.evidence.model_dump(mode="json", exclude_defaults=True),
+        }
+        ordered = {k: data[k] for k in ("schema_version", "engine", "dtype", "regions", "attention", "provenance")}
         return yaml.safe_dump(ordered, sort_keys=False, default_flow_style=False, width=100, allow_unicode=True)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -189,6 +214,11 @@ def write_atomic(path: Path, text: str) -> Path:
 
 def _allowed_here(loc: tuple[Any, ...]) -> str:
     """What is allowed at ``loc``, for messages about unknown keys."""
+    if len(loc) >= 3 and loc[0] == "attention" and loc[1] in ("sites", "variants"):
+        spec = ATTENTION_SPEC
+        names = spec.site_names if loc[1] == "sites" else spec.variant_names
+        kind = "site" if loc[1] == "sites" else "variant"
+        return f"unknown {kind} {loc[2]!r} of attention; its {kind}s are: {', '.join(names)}"
     if len(loc) >= 4 and loc[0] == "regions" and loc[2] in ("sites", "variants") and loc[1] in REGIONS:
         spec = REGIONS[loc[1]]
         names = spec.site_names if loc[2] == "sites" else spec.variant_names
@@ -221,6 +251,11 @@ def _format_error(err: dict[str, Any]) -> tuple[str, str]:
             )
         if len(loc) == 4 and loc[2] == "sites":
             return field, f"missing site {loc[3]!r} of region {loc[1]}"
+        if loc == ("attention",):
+            return field, ("missing attention entry: a version 2 profile records attention, measured or with "
+                           "evidence.status: unavailable and a reason")
+        if len(loc) == 3 and loc[:2] == ("attention", "sites"):
+            return field, f"missing site {loc[2]!r} of attention"
         return field, "required field is missing"
     got = err.get("input")
     shown = repr(got) if not isinstance(got, dict) else "a mapping"
@@ -240,6 +275,8 @@ def profile_from_data(data: Any, source: str = "<profile>") -> Profile:
             source=source,
             field="schema_version",
         )
+    if version == 1:
+        data = migrate(data, source)
     try:
         return Profile.model_validate(data)
     except ValidationError as e:
@@ -247,6 +284,15 @@ def profile_from_data(data: Any, source: str = "<profile>") -> Profile:
         field, msg = errors[0]
         more = f" (and {len(errors) - 1} more: {'; '.join(f for f, _ in errors[1:4])})" if len(errors) > 1 else ""
         raise ProfileError(msg + more, source=source, field=field) from None
+
+
+def migrate(data: dict[str, Any], source: str = "<profile>") -> dict[str, Any]:
+    """A version 1 profile as version 2: the same regions, attention recorded as not measured."""
+    if "attention" in data:
+        raise ProfileError("schema version 1 has no attention entry (it came with version 2); set schema_version: 2 "
+                           "or remove the entry", source=source, field="attention")
+    return {**data, "schema_version": SCHEMA_VERSION,
+            "attention": {"sites": None, "evidence": {"status": "unavailable", "reason": V1_ATTENTION_REASON}}}
 
 
 def profile_from_yaml(text: str, source: str = "<string>") -> Profile:
@@ -276,8 +322,11 @@ def make_profile(
     points: dict[str, Point | None],
     evidence: dict[str, Evidence | dict[str, Any]] | None = None,
     provenance: Provenance | dict[str, Any],
+    attention: Point | None = None,
+    attention_evidence: Evidence | dict[str, Any] | None = None,
 ) -> Profile:
-    """Build a profile from lattice points (``None`` for an unavailable region) and evidence."""
+    """Build a profile from lattice points (``None`` for an unavailable region) and evidence.
+    ``attention``: its point, or None (then ``attention_evidence`` says why, default: not probed)."""
     evidence = evidence or {}
     regions: dict[str, Any] = {}
     for name, spec in REGIONS.items():
@@ -291,11 +340,20 @@ def make_profile(
             regions[name] = {"sites": None, "evidence": ev}
         else:
             regions[name] = {"sites": spec.site_part(p), "variants": spec.variant_part(p), "evidence": ev}
+    aev = attention_evidence.model_dump() if isinstance(attention_evidence, Evidence) else dict(attention_evidence or {})
+    if attention is None:
+        aev.setdefault("status", "unavailable")
+        aev.setdefault("reason", "not probed")
+        att: dict[str, Any] = {"sites": None, "evidence": aev}
+    else:
+        att = {"sites": ATTENTION_SPEC.site_part(attention), "variants": ATTENTION_SPEC.variant_part(attention),
+               "evidence": aev}
     data = {
         "schema_version": SCHEMA_VERSION,
         "engine": engine.model_dump() if isinstance(engine, EngineInfo) else engine,
         "dtype": dtype,
         "regions": regions,
+        "attention": att,
         "provenance": provenance.model_dump() if isinstance(provenance, Provenance) else provenance,
     }
     return profile_from_data(data, "<make_profile>")

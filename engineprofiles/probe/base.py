@@ -9,6 +9,10 @@ harness is not. Each region implementation is a plain callable on activation-dty
 * ``add_rmsnorm(x[T, H], residual[T, H], weight[H], eps) -> (out, residual_out)``
 
 A region the engine cannot run on this device is an :class:`Unavailable` with the reason.
+
+``attention()`` gives the engine's attention the same way (what exact mode consumes), as
+``attention(q[Tq, Hq, D], k[Tk, Hk, D], v[Tk, Hk, D], *, scale) -> out[Tq, Hq, D]``: causal, the
+queries being the last Tq of the Tk positions of one sequence.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ class Adapter:
 
     def regions(self) -> dict[str, RegionImpl | Unavailable]:
         raise NotImplementedError
+
+    def attention(self) -> RegionImpl | Unavailable:
+        return Unavailable(f"attention is not probed op-level for {self.name}")
 
     def sweep(self, region: str) -> list[dict[str, Any]] | None:
         """Shapes to probe ``region`` at, when the engine fixes some dims (a given model); None

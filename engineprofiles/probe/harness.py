@@ -254,6 +254,7 @@ def run_probe(
             results[name] = probe_region(name, impl, dt, device, seed, quick, progress, adapter.sweep(name))
         d = decide(results[name])
         points[name], evidence[name] = d.winner, d.evidence
+    att_point, att_ev = _attention(adapter, regions, dt, seed, quick, progress)
     profile = make_profile(
         engine=dict(
             name=info.name, version=info.version, backend=info.backend, device=info.device,
@@ -262,6 +263,8 @@ def run_probe(
         dtype=dtype_name(dt),
         points=points,
         evidence=evidence,
+        attention=att_point,
+        attention_evidence=att_ev,
         provenance=dict(
             date=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
             probe_version=PROBE_VERSION,
@@ -274,6 +277,24 @@ def run_probe(
         ),
     )
     return profile, results
+
+
+def _attention(adapter: Adapter, regions: list[str] | None, dt: torch.dtype, seed: int, quick: bool,
+               progress: Progress | None) -> tuple[Point | None, Evidence]:
+    from .attention import probe_attention
+
+    impl = adapter.attention() if regions is None or "attention" in regions else Unavailable(
+        "not probed in this run (--region)")
+    if isinstance(impl, Unavailable):
+        if progress:
+            progress(f"attention: unavailable ({impl})")
+        return None, Evidence(status="unavailable", reason=str(impl))
+    if progress:
+        progress(f"attention: probing {impl.path}")
+    fit, nondet = probe_attention(impl.fn, dt, seed, quick, progress)
+    ev = fit.evidence(impl.path, notes=impl.notes)
+    ev["nondeterministic"] = nondet
+    return fit.point, Evidence(**ev)
 
 
 def device_name(device: str) -> str:

@@ -1,6 +1,8 @@
 """The regions of the rounding model, their sites, lattices and torch references."""
 
 from ..names import check_region_name
+from .attention import SPEC as ATTENTION_SPEC
+from .attention import attention_fp32, attention_ref, causal_mask
 from .base import FP32, PRECISIONS, ROUNDED, Choice, Point, RegionSpec
 from .rmsnorm import ADD_SPEC, PLAIN_SPEC, add_rmsnorm_ref, rmsnorm_ref
 from .rope import SPEC as ROPE_SPEC
@@ -8,6 +10,7 @@ from .rope import STYLES, rope_cos_sin, rope_ref
 from .swiglu import SPEC as SWIGLU_SPEC
 from .swiglu import swiglu_ref
 
+# ATTENTION_SPEC is not among them: attention is recorded beside the regions, for exact mode.
 # Profile order: the three regions of the model (RoPE, SwiGLU, residual RMSNorm), the residual
 # RMSNorm in both call forms.
 REGIONS: dict[str, RegionSpec] = {
@@ -22,5 +25,6 @@ def region(name: str) -> RegionSpec:
 __all__ = [
     "FP32", "ROUNDED", "PRECISIONS", "Choice", "Point", "RegionSpec", "REGIONS", "region", "STYLES",
     "ROPE_SPEC", "SWIGLU_SPEC", "ADD_SPEC", "PLAIN_SPEC",
+    "ATTENTION_SPEC", "attention_ref", "attention_fp32", "causal_mask",
     "rope_ref", "rope_cos_sin", "swiglu_ref", "rmsnorm_ref", "add_rmsnorm_ref",
 ]

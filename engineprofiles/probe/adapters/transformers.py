@@ -175,6 +175,9 @@ class TransformersAdapter(Adapter):
             return [dict(tokens=t, inter=c.intermediate_size) for t in (1, 7, 64)]
         return [dict(tokens=t, hidden=c.hidden_size, eps=eps) for t in (1, 7, 64)]
 
+    def attention(self) -> RegionImpl | Unavailable:
+        return _attention(self)
+
     # -- building the family's modules for a probe shape ---------------------------------------
     def _parts(self, hidden: int, heads: int = 1, kv: int = 1, head_dim: int = 64, inter: int = 64,
                base: float = 10000.0, eps: float = 1e-6):
@@ -265,3 +268,45 @@ class _AttnReturns(torch.nn.Module):
 
     def forward(self, hidden_states=None, **kwargs):
         return self.value, None
+
+
+def _attention(self: "TransformersAdapter") -> RegionImpl | Unavailable:
+    """The attention function the model's config selects (``sdpa`` for a model built or loaded
+    with defaults), called as HF's attention modules call it: [1, H, T, D] tensors, no mask
+    for a whole sequence (is_causal) or a single query, a boolean (sdpa) or additive (eager)
+    causal mask for a chunk of queries at the end of a longer sequence."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from ...regions import causal_mask
+
+    name = (getattr(self.config, "_attn_implementation", None) if self.model is not None else None) or "sdpa"
+    if name == "eager":
+        _, Layer, _ = family_classes(self.family if self.family in FAMILIES else "qwen2")
+        fn = __import__(Layer.__module__, fromlist=["eager_attention_forward"]).eager_attention_forward
+    elif name in ALL_ATTENTION_FUNCTIONS:
+        fn = ALL_ATTENTION_FUNCTIONS[name]
+    else:
+        return Unavailable(f"attention implementation {name!r} is not one transformers knows")
+
+    class _Module(torch.nn.Module):
+        is_causal = True
+
+        def __init__(self, groups: int):
+            super().__init__()
+            self.num_key_value_groups = groups
+            self.training = False
+
+    def attention(q, k, v, *, scale):
+        tq, hq, d = q.shape
+        tk, hk, _ = k.shape
+        mask = None
+        if 1 < tq < tk:
+            allowed = causal_mask(tq, tk)[None, None]
+            mask = allowed if name != "eager" else torch.zeros(allowed.shape, dtype=q.dtype).masked_fill(
+                ~allowed, torch.finfo(q.dtype).min)
+        hf = lambda t: t.transpose(0, 1).unsqueeze(0).to(self.device)  # noqa: E731
+        with torch.no_grad():
+            out, _ = fn(_Module(hq // hk), hf(q), hf(k), hf(v), mask, dropout=0.0, scaling=scale)
+        return out[0].to("cpu")  # [T, H, D]
+
+    return RegionImpl(attention, f"transformers {name} attention ({getattr(fn, '__qualname__', name)})")

@@ -235,3 +235,53 @@ class VllmAdapter(Adapter):
             "add_rmsnorm": RegionImpl(add_rmsnorm, f"vllm {method(probe_norm)} with residual ({how})", notes),
             "rmsnorm": RegionImpl(rmsnorm, f"vllm {method(probe_norm)} ({how})", notes),
         }
+
+    # -- attention ----------------------------------------------------------------------------
+    def attention(self) -> RegionImpl | Unavailable:
+        """The engine's attention backend kernel on this device, called the way its backend calls
+        it: K/V written into a paged cache by the backend's own reshape-and-cache op, the
+        backend's scheduler metadata, the ISA the backend picks for this dtype, block size and
+        head dim. CPU only (the CUDA backends are other kernels)."""
+        if self.device != "cpu":
+            return Unavailable(f"attention is probed op-level on CPU only (device {self.device})")
+        try:
+            from vllm import _custom_ops as ops
+            from vllm import envs
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
+        except ImportError as e:  # pragma: no cover - another vLLM layout
+            return Unavailable(f"vLLM's CPU attention backend is not importable here ({e})")
+        block_size = int(getattr(self.config.cache_config, "block_size", None) or 128)
+        dtype = self.dtype
+        split_kv = bool(getattr(envs, "VLLM_CPU_ATTN_SPLIT_KV", False))
+
+        def attention(q, k, v, *, scale):
+            tq, hq, d = q.shape
+            tk, hk, _ = k.shape
+            isa = _get_attn_isa(dtype, block_size, d)
+            blocks = (tk + block_size - 1) // block_size
+            cache = torch.zeros(blocks, hk, block_size, 2 * d, dtype=dtype)
+            key_cache, value_cache = cache.view(blocks, hk, 2 * block_size, d).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache,
+                                           torch.arange(tk, dtype=torch.int64), isa)
+            qsl = torch.tensor([0, tq], dtype=torch.int32)
+            seq_lens = torch.tensor([tk], dtype=torch.int32)
+            sched = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=1, num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=seq_lens, dtype=dtype,
+                query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=split_kv)
+            out = torch.empty(tq, hq, d, dtype=dtype)
+            ops.cpu_attention_with_kv_cache(
+                query=q.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=qsl,
+                seq_lens=seq_lens, scale=float(scale), causal=True, alibi_slopes=None, sliding_window=-1,
+                block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=0.0, scheduler_metadata=sched,
+                s_aux=None)
+            return out
+
+        isa = _get_attn_isa(dtype, block_size, 64)
+        return RegionImpl(
+            attention,
+            f"vllm {CPUAttentionBackend.get_name()} kernel (torch.ops._C.cpu_attention_with_kv_cache, isa {isa} for "
+            f"head dims that are multiples of 32, block size {block_size}, split-KV {'on' if split_kv else 'off'})",
+            [f"called outside the engine with the backend's own ops and scheduler, {torch.get_num_threads()} "
+             "threads; attention runs eagerly in both of vLLM's modes (the compiled graph calls it as an opaque op)"],
+        )
+

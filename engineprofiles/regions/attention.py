@@ -1,0 +1,219 @@
+"""Attention: what exact mode consumes (not one of the three regions of the profile proper).
+
+Per query row (one head, one token), with the keys it may see:
+
+    qs = q * scale (FP32) or q                 # variant: scale (query | logits)
+    l_j = qs . k_j, summed over the head dim   # variant: qk_dot (fma | mul_add | matmul)
+    l_j = l_j * scale                          (scale: logits)
+    l_j = round(l_j)?                          # site: logits
+    m = max_j l_j
+    p_j = exp(l_j - m)                         # variant: exp (poly5_fma | correctly_rounded | torch)
+    s = sum_j p_j                              # variant: row_sum (lanes16_tree | lanes16_sequential | sequential | torch)
+    normalize: p_j = p_j / s here (before_pv), or the output is scaled at the end   # variant: normalize
+    p_j = round(p_j)?                          # site: probs
+    o = sum_j p_j v_j over the keys            # variant: pv_dot (fma | mul_add | matmul)
+    o = o * fp32(1 / fp64(s)) (reciprocal_f64) or o / s (divide)
+    out = round(o)                             (the output, always rounded once)
+
+``fma`` and ``mul_add`` accumulate sequentially over the reduced dimension in FP32 (key 0 first for
+P·V, lane 0 first for q·k), each step one fused multiply-add or a multiply and an add;
+``matmul`` is torch's FP32 matmul on the tensor's device. ``lanes16_*`` sums key j into lane
+j mod 16 in key order, then adds the 16 lanes as a tree (8+8, 4+4, 2+2, 1+1) or in lane order.
+``poly5_fma`` is exp by a single-constant Cody-Waite reduction, a degree-5 polynomial evaluated with
+fused multiply-adds and a scaling by 2^(n-1)*2; ``correctly_rounded`` is exp rounded once to FP32.
+
+Every FP32 step is an IEEE operation computed with torch (fused multiply-adds through
+:func:`engineprofiles.portable.fma`), so the reference computes the same bits on any device.
+It is written for clarity, not speed: exact mode pays for it (scripts/bench_exact.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import portable
+from ..rounding import act_dtype, round_to
+from .base import ROUNDED, Point, RegionSpec, site, variant
+
+SPEC = RegionSpec(
+    name="attention",
+    title="Attention",
+    doc="softmax(q k^T * scale) v per query row over the keys it may see, rounded once at the end",
+    sites=(
+        site("logits", "q.k (scaled) rounded to the activation dtype before the softmax"),
+        site("probs", "the softmax weights rounded to the activation dtype before they multiply v"),
+    ),
+    variants=(
+        variant("scale", ("query", "logits"), "where the softmax scale multiplies: q in FP32 before the dot, or the dot"),
+        variant("qk_dot", ("fma", "mul_add", "matmul"),
+                "q.k: sequential over the head dim with fused multiply-adds, with separate multiply and add, or "
+                "torch's FP32 matmul"),
+        variant("exp", ("poly5_fma", "correctly_rounded", "torch"),
+                "exp: degree-5 polynomial with FMAs (vectorized kernels), exp rounded once, or torch.exp in FP32"),
+        variant("row_sum", ("lanes16_tree", "lanes16_sequential", "sequential", "torch"),
+                "sum of the softmax numerators: 16 lanes (key j in lane j mod 16) added as a tree or in lane "
+                "order, one sequential sum, or torch.sum"),
+        variant("pv_dot", ("fma", "mul_add", "matmul"),
+                "p.v: sequential over the keys with fused multiply-adds, with separate multiply and add, or "
+                "torch's FP32 matmul"),
+        variant("normalize", ("reciprocal_f64", "divide", "before_pv"),
+                "the division by the sum: output times fp32(1/fp64(sum)), output / sum, or the weights divided "
+                "before they multiply v"),
+    ),
+)
+
+# The constants of the poly5_fma exp, as FP32 bit patterns where the kernels write them so.
+_LN_FLT_MIN = 0xC2AEAC50  # ~ -87.34
+_LN_FLT_MAX = 0x42B17218  # ~ 88.72
+_LOG2E = 0x3FB8AA3B
+_LN2 = 0x3F317218
+_POLY5 = (0.00828929059, 0.0418978221, 0.166676521, 0.499991506, 0.999999701, 1.0)  # Horner order
+
+
+def _bits_f32(u: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(u - (1 << 32) if u >= 1 << 31 else u, dtype=torch.int32, device=like.device).view(torch.float32)
+
+
+def _f32(v: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32, device=like.device)
+
+
+def exp_poly5_fma(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) for x <= 0 the way vectorized CPU attention kernels compute it (FP32, FMAs)."""
+    lo, hi = _bits_f32(_LN_FLT_MIN, x), _bits_f32(_LN_FLT_MAX, x)
+    underflow = x < lo
+    src = torch.maximum(torch.minimum(x, hi), lo)
+    fx = torch.floor(portable.fma(src, _bits_f32(_LOG2E, x), _f32(0.5, x)))
+    r = portable.fma(-fx, _bits_f32(_LN2, x), src)
+    poly = portable.fma(r, _f32(_POLY5[0], x), _f32(_POLY5[1], x))
+    for c in _POLY5[2:]:
+        poly = portable.fma(r, poly, _f32(c, x))
+    n = (fx - 1.0).to(torch.int32)
+    scale = ((n + 127) << 23).view(torch.float32)
+    scale = torch.where(underflow, torch.zeros_like(scale), scale)
+    return poly * scale * _f32(2.0, x)
+
+
+def _exp(x: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "poly5_fma":
+        return exp_poly5_fma(x)
+    if how == "correctly_rounded":
+        return torch.exp(x.double()).float()
+    return torch.exp(x)
+
+
+def _row_sum(p: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "torch":
+        return p.sum(-1)
+    if how == "sequential":
+        acc = torch.zeros_like(p[..., 0])
+        for j in range(p.shape[-1]):
+            acc = acc + p[..., j]
+        return acc
+    n = p.shape[-1]
+    pad = (-n) % 16
+    pp = torch.nn.functional.pad(p, (0, pad)) if pad else p
+    chunks = pp.reshape(*p.shape[:-1], (n + pad) // 16, 16)
+    lanes = torch.zeros_like(chunks[..., 0, :])
+    for c in range(chunks.shape[-2]):
+        lanes = lanes + chunks[..., c, :]
+    if how == "lanes16_sequential":
+        acc = lanes[..., 0]
+        for i in range(1, 16):
+            acc = acc + lanes[..., i]
+        return acc
+    while lanes.shape[-1] > 1:  # lanes16_tree: i + i+8, then i + i+4, ...
+        h = lanes.shape[-1] // 2
+        lanes = lanes[..., :h] + lanes[..., h:]
+    return lanes[..., 0]
+
+
+def _dot_seq(a: torch.Tensor, b: torch.Tensor, fused: bool) -> torch.Tensor:
+    """sum_k a[..., i, k] * b[..., k, j], sequential over k from 0, in FP32."""
+    acc = torch.zeros(*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1],
+                      dtype=torch.float32, device=a.device)
+    for k in range(a.shape[-1]):
+        x, y = a[..., :, k:k + 1], b[..., k:k + 1, :]
+        acc = portable.fma(x, y, acc) if fused else acc + x * y
+    return acc
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "matmul":
+        return torch.matmul(a, b)
+    return _dot_seq(a, b, how == "fma")
+
+
+def causal_mask(tq: int, tk: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[tq, tk] bool: query i (at position tk - tq + i) sees keys 0 .. tk - tq + i."""
+    i = torch.arange(tq, device=device)[:, None] + (tk - tq)
+    return torch.arange(tk, device=device)[None, :] <= i
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, *, scale: float,
+                  mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference attention of one sequence at ``point``.
+
+    q: [Tq, Hq, D], k and v: [Tk, Hk, D] in the activation dtype (Hq a multiple of Hk: grouped
+    queries share a key/value head); ``mask``: [Tq, Tk] bool, True where a query sees a key
+    (default: causal, the queries being the last Tq positions). Key j is the j-th key of the
+    sequence, which fixes its lane in the lanes16 sums. Rows that see no key give zeros.
+    Returns [Tq, Hq, D] in the activation dtype."""
+    dt = act_dtype(q.dtype)
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention_ref wants q [Tq, Hq, D] and k, v [Tk, Hk, D] with Hk dividing Hq; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    tq, hq, _ = q.shape
+    tk, hk, _ = k.shape
+    if mask is None:
+        mask = causal_mask(tq, tk, q.device)
+    g = hq // hk
+    qh = q.float().transpose(0, 1)  # [Hq, Tq, D]
+    kh = k.float().repeat_interleave(g, 1).permute(1, 2, 0)  # [Hq, D, Tk]
+    vh = v.float().repeat_interleave(g, 1).transpose(0, 1)  # [Hq, Tk, D]
+    s = _f32(scale, qh)
+    if point["scale"] == "query":
+        qh = qh * s
+    logits = _dot(qh, kh, point["qk_dot"])  # [Hq, Tq, Tk]
+    if point["scale"] == "logits":
+        logits = logits * s
+    if point["logits"] == ROUNDED:  # site: logits
+        logits = round_to(logits, dt)
+    logits = logits.masked_fill(~mask, float("-inf"))
+    seen = mask.any(-1)  # [Tq]
+    m = logits.amax(-1, keepdim=True)
+    m = torch.where(seen[None, :, None], m, torch.zeros_like(m))
+    p = _exp(logits - m, point["exp"])
+    p = torch.where(mask, p, torch.zeros_like(p))
+    total = _row_sum(p, point["row_sum"])  # [Hq, Tq]
+    if point["normalize"] == "before_pv":
+        p = p / total[..., None]
+    if point["probs"] == ROUNDED:  # site: probs
+        p = round_to(p, dt)
+    out = _dot(p, vh, point["pv_dot"])  # [Hq, Tq, D]
+    if point["normalize"] == "reciprocal_f64":
+        out = (1.0 / total.double()).float()[..., None] * out
+    elif point["normalize"] == "divide":
+        out = out / total[..., None]
+    out = torch.where(seen[None, :, None], out, torch.zeros_like(out))
+    return round_to(out.contiguous(), dt).to(dt).transpose(0, 1)  # region output
+
+
+def attention_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                   mask: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """softmax(q k^T * scale) v in ``dtype`` (FP32 or FP64), differentiable, same layouts as
+    :func:`attention_ref`; the function whose gradient exact mode's backward is."""
+    tq, hq, _ = q.shape
+    tk, hk, _ = k.shape
+    if mask is None:
+        mask = causal_mask(tq, tk, q.device)
+    g = hq // hk
+    qh = q.to(dtype).transpose(0, 1)
+    kh = k.to(dtype).repeat_interleave(g, 1).transpose(0, 1)
+    vh = v.to(dtype).repeat_interleave(g, 1).transpose(0, 1)
+    logits = (qh @ kh.transpose(-1, -2)) * scale
+    logits = logits.masked_fill(~mask, float("-inf"))
+    seen = mask.any(-1)
+    w = torch.softmax(torch.where(seen[:, None], logits, torch.zeros_like(logits)), -1)
+    w = torch.where(mask & seen[:, None], w, torch.zeros_like(w))
+    return (w @ vh).transpose(0, 1)
