@@ -44,6 +44,16 @@ class CompileUnsupported(PatchError):
     """torch.compile and a patched model: the compiled code would not round where the profile says."""
 
 
+class ExactModeUnavailable(PatchError):
+    """apply_profile(..., exact=True) with a profile or model exact mode cannot reproduce (no measured
+    attention in the profile, sliding-window attention, attention dropout); nothing was changed."""
+
+
+class CapabilityMismatch(UserWarning):
+    """The profile was probed on another CPU vector ISA (or device) than the one this model runs on:
+    kernels dispatch by ISA, so its evidence may not hold here."""
+
+
 class ResidualStreamLost(EmulatorError, RuntimeError):
     """A patched decoder layer (not the first) or the final norm got a hidden state that no patched
     layer produced, so the (MLP output, residual) pair the engine's fused add needs is unknown."""

@@ -59,7 +59,7 @@ BACKENDS = ("auto", "triton", "reference", "reference-portable")
 ENV_VAR = "EMULATOR_BACKEND"
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("emulator_backend", default=None)
 
-__all__ = ["rope", "swiglu", "rmsnorm", "add_rmsnorm", "use_backend", "current_backend", "BACKENDS", "ENV_VAR"]
+__all__ = ["rope", "swiglu", "rmsnorm", "add_rmsnorm", "attention", "use_backend", "current_backend", "BACKENDS", "ENV_VAR"]
 
 
 # -- backend choice -------------------------------------------------------------------------------
@@ -311,3 +311,55 @@ def add_rmsnorm(
         _rows(x), _rows(residual), weight.contiguous(), float(eps), point, act, _backend_for(x.device)
     )
     return out.reshape(x.shape), res.reshape(x.shape)
+
+
+# -- exact mode: attention ------------------------------------------------------------------------
+
+
+def attention_point(profile: ProfileLike, op: str = "attention") -> Point:
+    """The profile's attention point (exact mode), with a clear error when it was not measured."""
+    if isinstance(profile, Point):
+        if profile.region != "attention":
+            raise ProfileMismatch(f"{op} needs a point of the attention lattice, got a point of region {profile.region!r}")
+        return profile
+    prof = _profile(profile)
+    if not prof.available("attention"):
+        raise RegionUnavailable(
+            f"profile {prof.canonical_name} has no measured attention ({prof.attention.evidence.reason}); exact mode "
+            "needs the engine's attention: re-probe the engine with this version of engineprofiles (schema version 2, "
+            "e.g. `probe-engine vllm` in situ), or use a shipped profile whose attention was measured"
+        )
+    return prof.point("attention")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, profile: ProfileLike, *, scale: float | None = None,
+              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention exactly as the profile's engine computes it (exact mode).
+
+    q: [B, Hq, Tq, D], k and v: [B, Hk, Tk, D] in the activation dtype (Hk divides Hq);
+    ``attention_mask``: None (causal, the queries being the last Tq positions) or HF's 4D mask
+    ([B, 1, Tq, Tk], boolean or additive). ``scale`` defaults to D**-0.5. Returns [B, Hq, Tq, D].
+    The backward is the gradient of FP32 softmax attention (the output rounding straight-through).
+    Every backend runs the bit-portable torch reference (no kernel)."""
+    from .ops.attention import ExactAttentionFunction
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"attention: {name} must be a tensor, got {type(t).__name__}")
+    _check_float("attention", q=q, k=k, v=v)
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] \
+            or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise InputError(f"attention: q must be [B, Hq, Tq, D] and k, v [B, Hk, Tk, D] with Hk dividing Hq; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    point = attention_point(profile)
+    if not isinstance(profile, Point):
+        prof = _profile(profile)
+        act = ACT_DTYPES[prof.dtype]
+        if q.dtype != act:
+            raise ProfileMismatch(f"attention: q is {q.dtype}, but profile {prof.canonical_name} was measured in {prof.dtype}")
+    if len({q.dtype, k.dtype, v.dtype}) > 1 or q.dtype not in tuple(ACT_DTYPES.values()):
+        raise InputError(f"attention: q, k and v must share an activation dtype (bfloat16 or float16); got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    s = float(scale) if scale is not None else q.shape[-1] ** -0.5
+    return ExactAttentionFunction.apply(q, k, v, point, s, attention_mask)
+

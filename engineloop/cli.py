@@ -252,7 +252,7 @@ def _patched_adapter(family: Optional[str], profile: str, dt, device: str):
 
 
 def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Optional[str], capture: Optional[str],
-             prompts: int, print_yaml: bool) -> None:
+             prompts: int, print_yaml: bool, mode: str = "default", dtype: str = "bfloat16", device: str = "cpu") -> None:
     import sys
     import tempfile
     import time
@@ -263,7 +263,7 @@ def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Op
     from engineprofiles.models import tiny_model
 
     from . import runner, tables
-    from .fit import fit_profile, in_situ_profile
+    from .fit import fit_attention_in_situ, fit_profile, in_situ_profile
     from .mismatch import run_capture
 
     t0 = time.perf_counter()
@@ -272,6 +272,13 @@ def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Op
         err.print(f"  [{time.perf_counter() - t0:6.1f}s] {m}", highlight=False)
 
     try:
+        if dtype != "bfloat16" or device != "cpu":
+            raise EngineProfilesError(
+                f"--in-situ runs the engine's CPU build in bfloat16 only; got --dtype {dtype} --device {device}: "
+                "use --op-level for other dtypes and devices"
+            )
+        if mode not in ("default", "compiled", "eager"):
+            raise EngineProfilesError(f"--mode must be default, compiled or eager for vllm; got {mode!r}")
         target, is_dir = runner.output_path(output)
         model = tiny_model(family, seed=seed).eval()
         with tempfile.TemporaryDirectory() as tmp:
@@ -280,9 +287,10 @@ def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Op
             else:
                 model.save_pretrained(Path(tmp) / "model")
                 cap = run_capture(engine, Path(tmp) / "model", Path(tmp) / "cap.pt", prompts=prompts, max_tokens=16,
-                                  seed=seed, env=env, note=note)
+                                  seed=seed, env=env, note=note, mode="eager" if mode == "eager" else "default")
         version = cap["engine"]["version"]
-        start_name = f"{engine}-{version}-cpu-inductor-bfloat16"
+        cap_mode = cap["engine"].get("mode", "default")
+        start_name = f"{engine}-{version}-cpu-{'eager' if cap_mode == 'eager' else 'inductor'}-bfloat16"
         try:
             start = store.get_profile(start_name)
         except EngineProfilesError:
@@ -292,10 +300,11 @@ def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Op
             ) from None
         note(f"fitting in situ from {start_name} ({len(cap['sequences'])} sequences)")
         fit = fit_profile(model, cap, start, note=note)
+        att_fit = fit_attention_in_situ(cap, start, note=note)
         import shlex
 
         cmd = os.environ.get("ENGINEPROFILES_COMMAND") or shlex.join(["probe-engine", *sys.argv[1:]])
-        profile = in_situ_profile(fit, start, cap, family, cmd)
+        profile = in_situ_profile(fit, start, cap, family, cmd, attention_fit=att_fit)
     except EngineProfilesError as e:
         _fail(e)
     render.show(profile, out)
@@ -333,12 +342,14 @@ def _engine_command(engine: str):
         prompts: int = typer.Option(4, help="in situ: number of sequences"),
     ) -> None:
         if in_situ is None:
-            in_situ = engine == "vllm" and mode in ("default", "compiled") and device == "cpu" and region is None \
-                and not quick
+            in_situ = engine == "vllm" and mode in ("default", "compiled") and device == "cpu" and dtype == "bfloat16" \
+                and region is None and not quick
+        elif in_situ and (quick or region):
+            _fail(EngineProfilesError("--quick and --region are op-level options; the in-situ fit covers every region"))
         if in_situ:
             if engine != "vllm":
                 _fail(EngineProfilesError("--in-situ is implemented for vllm (SGLang's CPU engine runs eagerly)"))
-            _in_situ(engine, family, output, seed, env, capture, prompts, print_yaml)
+            _in_situ(engine, family, output, seed, env, capture, prompts, print_yaml, mode, dtype, device)
             return
         _probe(engine, device, dtype, mode, output, seed, quick, region, env, print_yaml)
 

@@ -171,7 +171,35 @@ def fit_profile(model, capture: dict[str, Any], start: "Profile", note=lambda m:
     return Fit(current, best, candidates, start_res)
 
 
-def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any], family: str, command: str) -> "Profile":  # noqa: F821
+def fit_attention_in_situ(capture: dict[str, Any], start: "Profile", note=lambda m: None):  # noqa: F821
+    """The attention lattice fitted to the engine's own attention calls in the capture (prefill and
+    decode), starting from the op-level profile's attention where it has one."""
+    from engineprofiles.probe.attention import START, fit_attention
+
+    samples = attention_samples(capture)
+    if not samples:
+        return None
+    begin = start.point("attention") if start.available("attention") else START
+    note(f"in situ: fitting attention to {len(samples)} captured calls (prefill and decode)")
+    return fit_attention(samples, start=begin, note=note)
+
+
+def attention_evidence(att_fit, capture: dict[str, Any], family: str) -> dict[str, Any]:
+    eng = capture["engine"]
+    b = eng.get("attention", {})
+    path = (f"{eng['name']} {eng['version']} {b.get('backend', '?')} ({b.get('impl', '?')}, isa {b.get('isa', '?')}, "
+            f"block size {b.get('block_size', '?')}), in the running engine")
+    n_tok = sum(len(s["prompt"]) + len(s["completion"]) for s in capture["sequences"])
+    notes = [f"in situ on a tiny {family} model: {len(capture['sequences'])} sequences, {n_tok} tokens; every "
+             "attention call of the sampling (prompt prefill, one call per decoded token) and of the re-scoring "
+             "prefill, compared bitwise with the reference at each point",
+             f"engine threads {b.get('torch_threads', '?')}, split-KV {b.get('split_kv', '?')}: the kernel's "
+             "reduction order can depend on both for long sequences (not in the lattice)"]
+    return att_fit.evidence(path, notes=notes)
+
+
+def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any], family: str, command: str,  # noqa: F821
+                    attention_fit: Any = None) -> "Profile":  # noqa: F821
     import datetime as _dt
 
     from engineprofiles import PROBE_VERSION, __version__
@@ -218,11 +246,18 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any], family:
     update: dict[str, Any] = {"settings": settings}
     if eng.get("torch_version"):
         update["torch_version"] = eng["torch_version"]
+    if attention_fit is not None:
+        att_point, att_ev = attention_fit.point, attention_evidence(attention_fit, capture, family)
+    else:
+        att_point, att_ev = None, {"status": "unavailable",
+                                   "reason": "the capture holds no attention calls of the engine"}
     return make_profile(
         engine=start.engine.model_copy(update=update),
         dtype=start.dtype,
         points=fit.points,
         evidence=evidence,
+        attention=att_point,
+        attention_evidence=att_ev,
         provenance=dict(
             date=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
             probe_version=PROBE_VERSION, package_version=__version__, method="in-situ", command=command,

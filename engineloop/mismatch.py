@@ -76,14 +76,16 @@ def sequence_logprobs(model, seq: dict[str, Any]) -> tuple[torch.Tensor, torch.T
 
 
 def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_tokens: int, seed: int,
-                env: str | None, note: Callable[[str], None]) -> dict[str, Any]:
+                env: str | None, note: Callable[[str], None], mode: str = "default",
+                prompt_len: int = 12) -> dict[str, Any]:
     from . import runner
 
     # Inside the engine's own environment (scripts/probe.sh runs there) capture with this python.
     py = Path(sys.executable) if (runner.engine_importable(engine) and env is None) else runner.find_engine_python(engine, env)
     note(f"running {engine} from {py.parent.parent.name} on the tiny model (engine start-up takes minutes)")
     cmd = [str(py), "-m", "engineloop.capture", engine, "--model", str(model_dir), "--out", str(out),
-           "--prompts", str(prompts), "--max-tokens", str(max_tokens), "--seed", str(seed)]
+           "--prompts", str(prompts), "--max-tokens", str(max_tokens), "--seed", str(seed), "--mode", mode,
+           "--prompt-len", str(prompt_len)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         tail = "\n".join(r.stderr.splitlines()[-15:])

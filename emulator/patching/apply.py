@@ -11,7 +11,9 @@ from engineprofiles.store import get_profile
 
 from ..errors import (
     AlreadyPatched,
+    CapabilityMismatch,
     CompileUnsupported,
+    ExactModeUnavailable,
     ProfileMismatch,
     RegionUnavailable,
     UnsupportedModel,
@@ -74,7 +76,44 @@ def _regions(profile: Profile) -> dict[str, Point]:
     return points
 
 
-def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native: bool = True) -> PatchHandle:
+def _check_exact(model: torch.nn.Module, decoders: list[Decoder], profile: Profile) -> Point:
+    """Exact mode's own refusals (before anything changes) and its capability warning."""
+    import warnings
+
+    if not profile.available("attention"):
+        raise ExactModeUnavailable(
+            f"exact mode needs the engine's attention, and profile {profile.canonical_name} has none measured "
+            f"({profile.attention.evidence.reason}); use a profile probed with attention (schema version 2: "
+            "`probe-engine vllm` in situ, or the shipped in-situ profiles), or apply without exact=True"
+        )
+    for d in decoders:
+        for i, layer in enumerate(d.layers):
+            attn = layer.self_attn
+            if getattr(attn, "sliding_window", None):
+                raise ExactModeUnavailable(f"{d.path}.layers.{i}.self_attn uses sliding-window attention, which exact "
+                                           "mode does not reproduce (the attention lattice is causal, full window)")
+            if float(getattr(attn, "attention_dropout", 0.0) or 0.0) != 0.0:
+                raise ExactModeUnavailable(f"{d.path}.layers.{i}.self_attn has attention dropout "
+                                           f"{attn.attention_dropout}; the engine has none, so exact mode refuses it "
+                                           "(set config.attention_dropout = 0.0)")
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    probed_cap = profile.engine.settings.get("cpu_capability")
+    if dev.type == "cpu" and profile.engine.backend == "cpu" and probed_cap is not None:
+        here = torch.backends.cpu.get_cpu_capability()
+        if here != probed_cap:
+            warnings.warn(
+                f"profile {profile.canonical_name} was probed on a CPU with capability {probed_cap}, this one is {here}: "
+                "the engine's kernels dispatch by vector ISA, so exact mode may not be bit-exact here; re-probe the "
+                "engine on this machine", CapabilityMismatch, stacklevel=3)
+    elif dev.type != profile.engine.backend and not (dev.type == "cuda" and profile.engine.backend == "cuda"):
+        warnings.warn(f"profile {profile.canonical_name} was probed on {profile.engine.backend}, the model is on "
+                      f"{dev.type}: exact mode reproduces the profile's engine, which ran elsewhere",
+                      CapabilityMismatch, stacklevel=3)
+    return profile.point("attention")
+
+
+def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native: bool = True,
+                  exact: bool = False) -> PatchHandle:
     """Patch ``model`` (a HF transformers Qwen2/Qwen2.5, Qwen3 or Llama model, possibly wrapped by
     PEFT or FSDP2) in place so that RoPE, SwiGLU and the residual RMSNorm round where ``profile``
     says. ``profile``: a Profile, a path or a shipped name. Returns a :class:`PatchHandle`
@@ -87,7 +126,14 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     Refused, with nothing changed: a model of no supported family (or whose modules were
     replaced), a RoPE type other than default, a profile whose dtype is not the model's or that
     records a region as unavailable, a compiled model, a model already patched
-    (:class:`AlreadyPatched`: applying twice is an error)."""
+    (:class:`AlreadyPatched`: applying twice is an error).
+
+    ``exact=True`` (exact mode): attention too is computed as the profile's engine computes it
+    (the profile's ``attention`` entry, prefill and decode), so that with the regions and HF's own
+    matmuls the forward reproduces the engine's log-probs bit for bit where the profile's evidence
+    says it can. Refused (:class:`ExactModeUnavailable`, nothing changed) for a profile without
+    measured attention, sliding-window attention or attention dropout; a profile probed on another
+    CPU capability is a :class:`CapabilityMismatch` warning."""
     prof = get_profile(profile)
     act = ACT_DTYPES[prof.dtype]
     decoders = find_decoders(model)
@@ -103,20 +149,22 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
         check_decoder(d)
         _check_dtype(d, prof, act)
     _check_patchable(model, decoders)
+    exact_point = _check_exact(model, decoders, prof) if exact else None
 
     fam = decoders[0].family
     emulate = {r: (not skip_native) or points[r] != REGIONS[r].canonicalize(NATIVE[r]) for r in REGIONS}
     # Qwen3's q/k norms handing FP32 on need the emulator's RoPE, which takes FP32 input.
     qk_fp32 = fam.qk_norm and emulate["rmsnorm"] and points["rmsnorm"]["output"] == FP32
-    attention = emulate["rope"] or qk_fp32 or not all(d.inv_freq_exact for d in decoders)
+    attention = emulate["rope"] or qk_fp32 or not all(d.inv_freq_exact for d in decoders) or exact
     handle = PatchHandle(
         model, prof, fam,
-        emulated=tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention)),
+        emulated=tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention)) + (("attention",) if exact else ()),
         native=tuple(r for r in REGIONS if not (emulate[r] or (r == "rope" and attention))),
     )
+    handle.exact = exact
     try:
         for d in decoders:
-            _patch_decoder(handle, d, prof, act, emulate, attention)
+            _patch_decoder(handle, d, prof, act, emulate, attention, exact_point)
     except BaseException:  # pragma: no cover - a bug; leave the model as it was
         handle.remove()
         raise
@@ -124,7 +172,7 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
 
 
 def _patch_decoder(handle: PatchHandle, d: Decoder, prof: Profile, act: torch.dtype, emulate: dict[str, bool],
-                   attention: bool) -> None:
+                   attention: bool, exact_point: Point | None = None) -> None:
     c, p, layers = d.classes, d.path, d.layers
     ACTIVE[d.module] = handle
     handle._undo.append(lambda: ACTIVE.pop(d.module, None))
@@ -146,7 +194,7 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, prof: Profile, act: torch.dt
         handle._bind(f"{p}.rotary_emb", d.module.rotary_emb, fw.rotary(d.rope_theta, d.rotary_dim))
         for i, layer in enumerate(layers):
             handle._bind(f"{p}.layers.{i}.self_attn", layer.self_attn,
-                         fw.attention(prof, d.family.qk_norm, c["eager_attention"]))
+                         fw.attention(prof, d.family.qk_norm, c["eager_attention"], exact_point))
             guarded.append(layer.self_attn)
     if emulate["add_rmsnorm"]:
         stash = Stash()

@@ -42,7 +42,9 @@ def rotary(theta: float, rotary_dim: int):
     return forward
 
 
-def attention(profile: Profile, qk_norm: bool, eager_attention: Callable[..., Any]):
+def attention(profile: Profile, qk_norm: bool, eager_attention: Callable[..., Any], exact: Any = None):
+    """The attention module's forward: RoPE at the profile's point; then HF's attention function, or
+    in exact mode (``exact``: the profile's attention point) the engine's attention."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
@@ -60,6 +62,10 @@ def attention(profile: Profile, qk_norm: bool, eager_attention: Callable[..., An
         k = F.rope(k, cos, sin, profile, style="neox").transpose(1, 2)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
+        if exact is not None:
+            out = F.attention(q, k, v, exact, scale=self.scaling, attention_mask=attention_mask).transpose(1, 2)
+            out = out.reshape(*input_shape, -1).contiguous()
+            return self.o_proj(out), None
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
         extra = {"sliding_window": self.sliding_window} if hasattr(self, "sliding_window") else {}
         out, weights = attention_interface(

@@ -36,6 +36,7 @@ class PatchHandle:
         self.emulated = emulated
         self.native = native
         self.modules: list[str] = []
+        self.exact = False  # exact mode: attention computed as the profile's engine computes it
         self._undo: list[Callable[[], None]] = []
         self._stashes: list[Stash] = []
 
@@ -60,7 +61,8 @@ class PatchHandle:
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
         return (
-            f"PatchHandle({self.profile.canonical_name} on {type(self.model).__name__} [{self.family.name}], {state}; "
+            f"PatchHandle({self.profile.canonical_name}{' (exact)' if self.exact else ''} on {type(self.model).__name__} "
+            f"[{self.family.name}], {state}; "
             f"emulated: {', '.join(self.emulated) or 'none'}; native: {', '.join(self.native) or 'none'})"
         )
 

@@ -1,0 +1,95 @@
+"""Exact-mode attention: the forward at a profile's attention point, the backward of FP32 attention.
+
+No Triton kernel: the forward is the bit-portable torch reference
+(:func:`engineprofiles.regions.attention_ref`), which reproduces the probed engine's attention
+kernel bit for bit on any device (it is written with IEEE FP32 operations and exact fused
+multiply-adds), one sequence at a time. The backward is the gradient of softmax(q k^T * scale) v
+computed in FP32 with the output rounding treated as identity (straight-through), like the
+regions' backwards.
+
+Masks: HF hands attention a 4D mask ([B, 1, Tq, Tk], boolean "may attend" or additive) or None
+(causal, the queries being the last Tq positions). The engine runs each sequence alone, so the
+keys of a batch row that are padding are dropped before the reference runs: the keys the last
+query row may see (all of them if it sees none, e.g. a right-padded row), in order. That keeps
+every real key at the index the engine gives it (its lane in the lane-wise sums). Query rows that
+see no key get zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engineprofiles.regions import Point, attention_fp32, attention_ref
+
+
+def allowed_from_mask(mask: torch.Tensor | None, b: int, tq: int, tk: int, device: torch.device) -> torch.Tensor | None:
+    """The [Tq, Tk] "may attend" matrix of batch row ``b`` (None: plain causal)."""
+    if mask is None:
+        return None
+    m = mask
+    if m.dim() == 4:
+        if m.shape[1] != 1:
+            raise ValueError(f"exact attention takes masks shared by the heads ([B, 1, Tq, Tk]); got {tuple(m.shape)}")
+        m = m[b if m.shape[0] > 1 else 0, 0]
+    elif m.dim() == 2 and m.shape == (tq, tk):
+        pass
+    else:
+        raise ValueError(f"exact attention takes a [B, 1, Tq, Tk] or [Tq, Tk] mask; got {tuple(m.shape)}")
+    if m.dtype != torch.bool:
+        m = m == 0  # additive: 0 where attending, a large negative number elsewhere
+    return m[-tq:, -tk:].to(device).expand(tq, tk)
+
+
+def _one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, scale: float,
+             allowed: torch.Tensor | None) -> torch.Tensor:
+    """q [Hq, Tq, D], k/v [Hk, Tk, D] of one batch row -> [Hq, Tq, D]."""
+    qe, ke, ve = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # engine layout [T, H, D]
+    if allowed is None:
+        return attention_ref(qe, ke, ve, point, scale=scale).transpose(0, 1)
+    keep = allowed[-1] if bool(allowed[-1].any()) else allowed.any(0)
+    idx = keep.nonzero()[:, 0]
+    out = attention_ref(qe, ke[idx], ve[idx], point, scale=scale, mask=allowed[:, idx])
+    return out.transpose(0, 1)
+
+
+def exact_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, scale: float,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+    """q [B, Hq, Tq, D], k/v [B, Hk, Tk, D] -> [B, Hq, Tq, D] in the activation dtype."""
+    outs = []
+    for b in range(q.shape[0]):
+        allowed = allowed_from_mask(mask, b, q.shape[2], k.shape[2], q.device)
+        outs.append(_one_row(q[b], k[b], v[b], point, scale, allowed))
+    return torch.stack(outs)
+
+
+def fp32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """softmax(q k^T * scale) v in ``dtype`` with the same masks, [B, Hq, Tq, D]: the function
+    whose gradient the backward is (and, in FP64, the tests' independent reference)."""
+    outs = []
+    for b in range(q.shape[0]):
+        allowed = allowed_from_mask(mask, b, q.shape[2], k.shape[2], q.device)
+        o = attention_fp32(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), scale=scale,
+                           mask=allowed, dtype=dtype)
+        outs.append(o.transpose(0, 1))
+    return torch.stack(outs)
+
+
+class ExactAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, point, scale, mask):  # type: ignore[override]
+        ctx.save_for_backward(q, k, v)
+        ctx.point, ctx.scale, ctx.mask = point, scale, mask
+        return exact_forward(q, k, v, point, scale, mask)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        q, k, v = ctx.saved_tensors
+        need = ctx.needs_input_grad[:3]
+        with torch.enable_grad():
+            qf, kf, vf = (t.detach().float().requires_grad_(n) for t, n in zip((q, k, v), need))
+            out = fp32_attention(qf, kf, vf, ctx.scale, ctx.mask)
+            wrt = [t for t in (qf, kf, vf) if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wrt, grad.float())) if wrt else iter(())
+        res = [next(grads).to(t.dtype) if n else None for t, n in zip((q, k, v), need)]
+        return res[0], res[1], res[2], None, None, None
