@@ -128,10 +128,20 @@ def mismatch(
     json_out: Optional[str] = typer.Option(None, "--json", help="also write the numbers as JSON"),
     plot: Optional[str] = typer.Option(None, help="also draw the table as a PNG (needs matplotlib)"),
     capture: Optional[str] = typer.Option(None, help="reuse a capture file instead of running the engine"),
+    mode: str = typer.Option("default", help="the engine's execution mode: default (vLLM on CPU: compiled) or eager"),
+    exact: bool = typer.Option(False, "--exact", help="add the 'exact' rows: the trainer in exact mode "
+                               "(apply_profile(..., exact=True): the profile's attention too)"),
+    prompt_len: int = typer.Option(12, help="length of the first prompt (the others add 1..4 tokens)"),
+    layers: Optional[int] = typer.Option(None, help="tiny model size: decoder layers (default 2)"),
+    hidden: Optional[int] = typer.Option(None, help="tiny model size: hidden size (default 256)"),
+    intermediate: Optional[int] = typer.Option(None, help="tiny model size: MLP width (default 512; SGLang wants multiples of 32)"),
+    heads: Optional[int] = typer.Option(None, help="tiny model size: attention heads (default 4)"),
+    kv_heads: Optional[int] = typer.Option(None, help="tiny model size: key/value heads (default 2)"),
+    head_dim: Optional[int] = typer.Option(None, help="tiny model size: head dim (default 64)"),
 ) -> None:
     """Sample with the real engine on a tiny local model, recompute the log-probs in the HF trainer
-    as-is, with the profile, and with each region of the profile alone; print the mismatch metrics
-    (exact-match fraction first)."""
+    as-is, with the profile, with each region of the profile alone and (--exact) in exact mode;
+    print the mismatch metrics (exact-match fraction first)."""
     import json
     import time
 
@@ -140,13 +150,25 @@ def mismatch(
 
     if engine != "vllm":
         _fail(EngineProfilesError(f"mismatch runs vllm only; {engine!r}: SGLang's CPU engine needs a stub sgl_kernel to start (see docs/mismatch.md)"))
+    size = {k: v for k, v in (("num_hidden_layers", layers), ("hidden_size", hidden),
+                              ("intermediate_size", intermediate), ("num_attention_heads", heads),
+                              ("num_key_value_heads", kv_heads), ("head_dim", head_dim)) if v is not None}
+    for k, v in size.items():
+        if v < 1:
+            _fail(EngineProfilesError(f"{k} must be a positive integer; got {v}"))
+    if prompt_len < 1 or prompts < 1 or max_tokens < 1:
+        _fail(EngineProfilesError("--prompts, --max-tokens and --prompt-len must be positive"))
     t0 = time.perf_counter()
     try:
         rep = run_mismatch(engine, family=family, profile=profile, prompts=prompts, max_tokens=max_tokens, seed=seed,
-                           env=env, capture_file=capture,
+                           env=env, capture_file=capture, mode=mode, exact=exact, size=size, prompt_len=prompt_len,
                            note=lambda m: err.print(f"  [{time.perf_counter() - t0:6.1f}s] {m}", highlight=False))
     except EngineProfilesError as e:
         _fail(e)
+    import shlex
+    import sys
+
+    rep.command = os.environ.get("ENGINEPROFILES_COMMAND") or shlex.join(["probe-engine", *sys.argv[1:]])
     out.print(tables.mismatch_table(rep))
     if json_out:
         from engineprofiles.schema import write_atomic

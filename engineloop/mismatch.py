@@ -2,8 +2,9 @@
 
 The engine samples completions on a tiny local model (its own environment, see capture.py); the
 trainer recomputes the log-probs of the sampled tokens as-is, with the engine's profile applied,
-and with each region of the profile alone (the others kept at the trainer's own rounding). The
-metrics are the ones RL frameworks log (engineprofiles.metrics).
+and with each region of the profile alone (the others kept at the trainer's own rounding), and,
+with ``exact=True``, in exact mode (the profile's attention too). The metrics are the ones RL
+frameworks log (engineprofiles.metrics).
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from engineprofiles.store import get_profile, shipped_names
 ABLATIONS = {"rope": ("rope",), "swiglu": ("swiglu",), "rmsnorm": ("add_rmsnorm", "rmsnorm")}
 
 
+# Model sizes other than the tiny default, as tiny_model overrides (CLI: --layers, --hidden, ...).
+SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim")
+
+
 @dataclass
 class Report:
     engine: dict[str, Any]
@@ -37,10 +43,14 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     rows: list[tuple[str, Mismatch]] = field(default_factory=list)
     prefill_rows: list[tuple[str, Mismatch]] = field(default_factory=list)
+    model: dict[str, Any] = field(default_factory=dict)  # the tiny model's size (config fields)
+    prompt_len: int = 12
+    command: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(engine=self.engine, family=self.family, profile=self.profile_name,
-                    trainer_profile=self.trainer_profile_name, warnings=self.warnings,
+                    trainer_profile=self.trainer_profile_name, warnings=self.warnings, model=self.model,
+                    prompt_len=self.prompt_len, command=self.command,
                     sampled=[dict(trainer=n, **m.as_dict()) for n, m in self.rows],
                     prefill=[dict(trainer=n, **m.as_dict()) for n, m in self.prefill_rows])
 
@@ -51,10 +61,10 @@ def trainer_profile_name() -> str:
     return f"transformers-{transformers.__version__}-cpu-eager-bfloat16"
 
 
-def default_profile_name(engine: str, version: str) -> str:
-    """The shipped profile of the engine: the in-situ one where there is one (in situ wins)."""
-    mode = "inductor" if engine == "vllm" else "eager"
-    name = f"{engine}-{version}-cpu-{mode}-bfloat16"
+def default_profile_name(engine: str, version: str, mode: str = "default") -> str:
+    """The shipped profile of the engine in ``mode``: the in-situ one where there is one (in situ wins)."""
+    execution = "inductor" if engine == "vllm" and mode != "eager" else "eager"
+    name = f"{engine}-{version}-cpu-{execution}-bfloat16"
     return f"{name}-insitu" if f"{name}-insitu" in shipped_names() else name
 
 
@@ -95,44 +105,81 @@ def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_to
 
 def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | None = None, prompts: int = 4,
                  max_tokens: int = 16, seed: int = 0, env: str | None = None, workdir: str | None = None,
-                 capture_file: str | None = None, note: Callable[[str], None] = lambda m: None) -> Report:
+                 capture_file: str | None = None, note: Callable[[str], None] = lambda m: None,
+                 mode: str = "default", exact: bool = False, size: dict[str, int] | None = None,
+                 prompt_len: int = 12) -> Report:
+    """``mode``: the engine's default (vLLM on CPU: compiled) or ``eager`` (enforce_eager).
+    ``exact``: add the ``exact`` rows (apply_profile(..., exact=True)). ``size``: tiny_model
+    overrides (:data:`SIZE_FIELDS`); ``prompt_len``: length of the first prompt."""
     if family not in FAMILIES:
         raise EngineProfilesError(f"unknown model family {family!r}; families: {', '.join(FAMILIES)}")
+    if mode not in ("default", "compiled", "eager"):
+        raise EngineProfilesError(f"--mode must be default, compiled or eager; got {mode!r}")
+    size = dict(size or {})
+    bad = sorted(set(size) - set(SIZE_FIELDS))
+    if bad:
+        raise EngineProfilesError(f"unknown model size field(s) {', '.join(bad)}; fields: {', '.join(SIZE_FIELDS)}")
     from emulator.patching import apply_profile
     from engineprofiles.models import tiny_model
 
-    model = tiny_model(family, seed=seed).eval()
-    with tempfile.TemporaryDirectory() as tmp:
-        wd = Path(workdir or tmp)
-        if capture_file:
-            cap = torch.load(capture_file, weights_only=False)
-        else:
+    if capture_file:
+        cap = torch.load(capture_file, weights_only=False)
+        recorded = cap.get("model_size")
+        if recorded is not None:
+            if size and size != recorded:
+                raise EngineProfilesError(f"{capture_file} was captured on a model of size {recorded}; the size options "
+                                          f"ask for {size}: leave them out with --capture")
+            size = dict(recorded)
+        if cap.get("family", family) != family:
+            raise EngineProfilesError(f"{capture_file} was captured on a {cap['family']} model, not {family}")
+    model = tiny_model(family, seed=seed, **size).eval()
+    if not capture_file:
+        with tempfile.TemporaryDirectory() as tmp:
+            wd = Path(workdir or tmp)
             model_dir = wd / f"tiny-{family}"
             model.save_pretrained(model_dir)
             cap = run_capture(engine, model_dir, wd / "capture.pt", prompts=prompts, max_tokens=max_tokens,
-                              seed=seed, env=env, note=note)
+                              seed=seed, env=env, note=note, mode="eager" if mode == "eager" else "default",
+                              prompt_len=prompt_len)
+            cap["model_size"], cap["family"] = size, family
+            if workdir:
+                torch.save(cap, wd / "capture.pt")  # with the model's size, for --capture
     eng = cap["engine"]
-    prof_name = profile or default_profile_name(engine, eng["version"])
+    cap_mode = eng.get("mode", "default")
+    if capture_file and mode == "eager" and cap_mode != "eager":
+        raise EngineProfilesError(f"{capture_file} was captured in the engine's {cap_mode} mode, not eager")
+    prof_name = profile or default_profile_name(engine, eng["version"], cap_mode)
     if profile is None and prof_name not in shipped_names():
         raise EngineProfilesError(f"no shipped profile {prof_name} for {engine} {eng['version']}; pass --profile")
     prof = get_profile(prof_name)
     tname = trainer_profile_name()
     trainer = get_profile(tname)
-    report = Report(engine=eng, family=family, profile_name=prof_name, trainer_profile_name=tname)
+    report = Report(engine=eng, family=family, profile_name=prof_name, trainer_profile_name=tname,
+                    model={k: getattr(model.config, k) for k in SIZE_FIELDS}, prompt_len=len(cap["sequences"][0]["prompt"]))
     if prof.engine.name != eng["name"] or prof.engine.version != eng["version"]:
         report.warnings.append(
             f"profile {prof_name} is from {prof.engine.name} {prof.engine.version}, "
             f"but the samples come from {eng['name']} {eng['version']}"
         )
-    variants: list[tuple[str, Profile | None]] = [("as-is", None), ("+ engine profile", prof)]
+    if exact and not prof.available("attention"):
+        raise EngineProfilesError(
+            f"--exact needs the engine's attention in the profile, and {prof_name} has none measured "
+            f"({prof.attention.evidence.reason}); re-probe it (`scripts/probe.sh {engine} {eng['version']} --ship`)")
+    here = torch.backends.cpu.get_cpu_capability()
+    probed = prof.engine.settings.get("cpu_capability")
+    if probed is not None and probed != here:
+        report.warnings.append(f"profile {prof_name} was probed on CPU capability {probed}; this machine is {here}")
+    variants: list[tuple[str, Profile | None, bool]] = [("as-is", None, False), ("+ engine profile", prof, False)]
     for label, regs in ABLATIONS.items():
-        variants.append((f"+ {label} only", combine(trainer, prof, regs)))
+        variants.append((f"+ {label} only", combine(trainer, prof, regs), False))
+    if exact:
+        variants.append(("exact", prof, True))
     seqs = cap["sequences"]
     le = torch.tensor([x for s in seqs for x in s["sample_logprobs"]], dtype=torch.float32)
     lpre = torch.tensor([x for s in seqs for x in s["prompt_logprobs"][1:]], dtype=torch.float32)
-    for label, p in variants:
+    for label, p, ex in variants:
         note(f"trainer: {label}")
-        handle = apply_profile(model, p) if p is not None else None
+        handle = apply_profile(model, p, exact=ex) if p is not None else None
         try:
             samp, full = zip(*(sequence_logprobs(model, s) for s in seqs))
         finally:

@@ -12,7 +12,9 @@ STANDIN_IMPL = "engineprofiles_standin"
 
 
 def capture_from_trainer(model, profile=None, *, prompts: int = 2, length: int = 12, completion: int = 6,
-                         seed: int = 0) -> dict[str, Any]:
+                         seed: int = 0, attention=None) -> dict[str, Any]:
+    """``attention``: a point of the attention lattice the stand-in's attention computes (as an
+    engine's kernel would); default: HF's SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -20,8 +22,16 @@ def capture_from_trainer(model, profile=None, *, prompts: int = 2, length: int =
 
     calls: list[dict[str, torch.Tensor]] = []
 
+    def planted(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        from engineprofiles.regions import attention_ref
+
+        outs = [attention_ref(query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1), attention,
+                              scale=scaling) for b in range(query.shape[0])]
+        return torch.stack(outs), None
+
     def recording(module, query, key, value, attention_mask, **kwargs):
-        out, w = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        run = planted if attention is not None else sdpa_attention_forward
+        out, w = run(module, query, key, value, attention_mask, **kwargs)
         calls.append({"q": query[0].transpose(0, 1).detach().clone(), "k": key[0].transpose(0, 1).detach().clone(),
                       "v": value[0].transpose(0, 1).detach().clone(), "out": out[0].detach().clone()})
         return out, w
@@ -53,4 +63,5 @@ def capture_from_trainer(model, profile=None, *, prompts: int = 2, length: int =
     import transformers
 
     return dict(engine=dict(name="transformers", version=transformers.__version__, compilation_mode="eager",
-                            mode="stand-in"), sequences=seqs, seed=seed)
+                            mode="stand-in", attention=dict(scale=float(model.model.layers[0].self_attn.scaling))),
+                sequences=seqs, seed=seed)

@@ -8,11 +8,26 @@ from rich.table import Table
 from rich.text import Text
 
 
+def pct(x: float) -> str:
+    """A fraction as a percentage that never shows a partial match as 100%."""
+    if x == 1.0:
+        return "100%"
+    digits = 1
+    s = f"{100 * x:.{digits}f}"
+    while s.startswith("100") and digits < 8:
+        digits += 1
+        s = f"{100 * x:.{digits}f}"
+    return s + "%"
+
+
 def mismatch_table(rep) -> Group:
     e = rep.engine
     head = Text()
-    head.append(f"{e['name']} {e['version']} ({e.get('compilation_mode', '')}) vs HF transformers, family {rep.family}\n",
-                style="bold")
+    head.append(f"{e['name']} {e['version']} ({e.get('compilation_mode', '')}, mode {e.get('mode', 'default')}) vs HF "
+                f"transformers, family {rep.family}\n", style="bold")
+    m = getattr(rep, "model", {}) or {}
+    if m:
+        head.append("model: " + ", ".join(f"{k}={v}" for k, v in m.items()) + f"; first prompt {rep.prompt_len} tokens\n")
     head.append(f"profile applied: {rep.profile_name}; trainer's own: {rep.trainer_profile_name}\n")
     for w in rep.warnings:
         head.append(f"warning: {w}\n", style="red bold")
@@ -23,7 +38,7 @@ def mismatch_table(rep) -> Group:
         for col in ("trainer", "exact", "k3 KL", "|dp| max", "|dp| mean", "|dlogp| mean", "|dlogp| max", "PPL ratio"):
             t.add_column(col, no_wrap=True, min_width=22 if col == "trainer" else None)
         for name, m in rows:
-            t.add_row(name, f"{100 * m.exact_match:.1f}%", f"{m.k3_kl:.1e}", f"{m.abs_dp_max:.1e}", f"{m.abs_dp_mean:.1e}",
+            t.add_row(name, pct(m.exact_match), f"{m.k3_kl:.1e}", f"{m.abs_dp_max:.1e}", f"{m.abs_dp_mean:.1e}",
                       f"{m.abs_dlogp_mean:.1e}", f"{m.abs_dlogp_max:.1e}", f"{m.ppl_ratio:.5f}")
         parts.append(t)
     n = rep.rows[0][1].tokens if rep.rows else 0

@@ -100,42 +100,74 @@ class AttentionFit:
             tied_with=tied_sites,
             indistinguishable=tied_variants,
             per_shape=[dict(shape=k, winner=win.label(), match_rate=m / n) for k, (m, n) in sorted(best.per_path.items())],
-            notes=[f"coordinate search over the attention lattice: {len(self.tried)} points scored"] + list(notes or []),
+            notes=[f"coordinate search over the attention lattice (pairs of choices changed together where one at a "
+                   f"time fell short): {len(self.tried)} points scored on every call"] + list(notes or []),
         )
 
     shapes: list[str] = field(default_factory=list)
 
 
 def fit_attention(samples: list[AttentionSample], *, start: Point = START, passes: int = 2,
-                  note: Callable[[str], None] = lambda m: None) -> AttentionFit:
+                  note: Callable[[str], None] = lambda m: None, pair_screen: int = 3) -> AttentionFit:
     """Coordinate search: for each site and variant in turn, every option with the others fixed;
-    keep the best (ties keep the current option). Until a pass changes nothing, at most ``passes``."""
+    keep the best (ties keep the current option); until a pass changes nothing, at most ``passes``.
+    Choices can depend on each other (rounding the weights matters only once they are normalized
+    where the engine normalizes them), so when that ends short of a bitwise match, every pair of
+    choices is changed together: screened on the first ``pair_screen`` samples, the best pair
+    scored on all, and the coordinate search resumes from it while that improves the match."""
     if not samples:
         raise ValueError("fit_attention needs at least one captured attention call")
     tried: dict[Point, Score] = {}
+    screened: dict[Point, int] = {}
+    few = samples[:pair_screen]
 
     def run(p: Point) -> Score:
         if p not in tried:
             tried[p] = score(p, samples)
         return tried[p]
 
-    current = start
-    run(current)
-    for _ in range(passes):
-        changed = False
-        for c in ATTENTION_SPEC.choices:
-            results = [(current.replace(**{c.name: o}), o) for o in c.options]
-            best_p, best_s = current, run(current)
-            for p, _ in results:
-                s = run(p)
-                if s.matched > best_s.matched:
-                    best_p, best_s = p, s
-            if best_p != current:
-                note(f"attention: {c.name} -> {best_p[c.name]} ({best_s.rate:.4%} of output elements match)")
-                current = best_p
-                changed = True
-        if not changed or tried[current].matched == tried[current].total:
+    def coordinate(current: Point) -> Point:
+        for _ in range(passes):
+            changed = False
+            for c in ATTENTION_SPEC.choices:
+                best_p, best_s = current, run(current)
+                for o in c.options:
+                    p = current.replace(**{c.name: o})
+                    s = run(p)
+                    if s.matched > best_s.matched:
+                        best_p, best_s = p, s
+                if best_p != current:
+                    note(f"attention: {c.name} -> {best_p[c.name]} ({best_s.rate:.4%} of output elements match)")
+                    current = best_p
+                    changed = True
+            if not changed or tried[current].matched == tried[current].total:
+                break
+        return current
+
+    def pairs(current: Point) -> Point | None:
+        choices = ATTENTION_SPEC.choices
+        base = screened.setdefault(current, score(current, few).matched)
+        best, best_m = None, base
+        for i, a in enumerate(choices):
+            for b in choices[i + 1:]:
+                for oa in a.options:
+                    for ob in b.options:
+                        if oa == current[a.name] or ob == current[b.name]:
+                            continue
+                        p = current.replace(**{a.name: oa, b.name: ob})
+                        if p not in screened:
+                            screened[p] = score(p, few).matched
+                        if screened[p] > best_m:
+                            best, best_m = p, screened[p]
+        return best
+
+    current = coordinate(start)
+    while tried[current].matched < tried[current].total:
+        cand = pairs(current)
+        if cand is None or run(cand).matched <= tried[current].matched:
             break
+        note(f"attention: {cand.label()} changed together ({tried[cand].rate:.4%} of output elements match)")
+        current = coordinate(cand)
     fit = AttentionFit(current, tried[current], tried)
     fit.shapes = sorted({s.shape for s in samples})
     return fit

@@ -1,0 +1,231 @@
+"""Exact mode: emulator.functional.attention and apply_profile(..., exact=True).
+
+The engine comparison itself (the trainer's log-probs equal the real vLLM engine's) runs in
+tests/engines; here: the attention forward against the reference, padding, the backward against
+an independent FP64 autograd reference, the patch's refusals and revert, decode with a KV cache,
+and the whole exact path against a stand-in engine whose attention is planted."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import emulator
+from emulator import functional as F
+from emulator.errors import CapabilityMismatch, ExactModeUnavailable, InputError, RegionUnavailable
+from emulator.ops.attention import fp32_attention
+from engineprofiles.models import tiny_model
+from engineprofiles.regions import ATTENTION_SPEC, attention_ref
+from engineprofiles.store import get_profile
+
+from .helpers import assert_same_bits
+
+ENGINE = "vllm-0.32.0-cpu-inductor-bfloat16-insitu"
+POINT = get_profile(ENGINE).point("attention")
+OTHER = POINT.replace(probs="rounded")  # SDPA-like: the weights rounded before P.V
+
+
+@pytest.fixture
+def no_attention(tmp_path):
+    """A profile file without attention: the engine profile written as schema version 1."""
+    import yaml
+
+    data = yaml.safe_load(get_profile(ENGINE).to_yaml())
+    data["schema_version"] = 1
+    del data["attention"]
+    f = tmp_path / "v1.yaml"
+    f.write_text(yaml.safe_dump(data))
+    return str(f)
+
+
+def qkv(b=2, hq=4, hk=2, tq=9, tk=9, d=64, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, hq, tq, d, generator=g) * 1.5).to(dtype)
+    k = (torch.randn(b, hk, tk, d, generator=g) * 1.5).to(dtype)
+    v = torch.randn(b, hk, tk, d, generator=g).to(dtype)
+    return q, k, v
+
+
+def test_attention_equals_the_reference_per_sequence():
+    q, k, v = qkv()
+    out = F.attention(q, k, v, POINT, scale=0.125)
+    for b in range(2):
+        want = attention_ref(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), POINT, scale=0.125)
+        assert_same_bits(out[b], want.transpose(0, 1), f"row {b}")
+    # and the point matters: another point gives other bits on the same inputs
+    assert not torch.equal(out, F.attention(q, k, v, OTHER, scale=0.125))
+
+
+def test_a_profile_name_a_profile_and_its_point_give_the_same_bits():
+    q, k, v = qkv(b=1)
+    a = F.attention(q, k, v, ENGINE)
+    b = F.attention(q, k, v, get_profile(ENGINE))
+    c = F.attention(q, k, v, POINT, scale=64 ** -0.5)
+    assert_same_bits(a, b, "name vs profile")
+    assert_same_bits(a, c, "profile vs point")
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_padded_sequence_gives_the_bits_of_the_sequence_alone(side):
+    """The engine runs each sequence alone, from its first real token: padding must not move a
+    real key to another index (another lane of the lane-wise sums)."""
+    q, k, v = qkv(b=1, tq=21, tk=21, seed=3)
+    alone = F.attention(q, k, v, POINT)
+    pad = 11
+    z = lambda t: torch.zeros(1, t.shape[1], pad, t.shape[3], dtype=t.dtype)  # noqa: E731
+    cat = (lambda t: torch.cat((z(t), t), 2)) if side == "left" else (lambda t: torch.cat((t, z(t)), 2))
+    qp, kp, vp = cat(q), cat(k), cat(v)
+    n = 21 + pad
+    real = torch.zeros(n, dtype=torch.bool)
+    real[pad:] = True if side == "left" else False
+    if side == "right":
+        real[:21] = True
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    mask = (causal & real[None, :])[None, None]
+    if side == "right":  # HF lets padded query rows see every key (so softmax has no empty row)
+        mask = mask.clone()
+        mask[0, 0, 21:] = True
+    out = F.attention(qp, kp, vp, POINT, attention_mask=mask)
+    rows = slice(pad, None) if side == "left" else slice(0, 21)
+    assert_same_bits(out[:, :, rows], alone, f"{side}-padded rows")
+    # an additive mask says the same
+    add = torch.zeros(mask.shape, dtype=torch.bfloat16).masked_fill(~mask, torch.finfo(torch.bfloat16).min)
+    assert_same_bits(F.attention(qp, kp, vp, POINT, attention_mask=add), out, "additive mask")
+
+
+def test_the_backward_is_the_gradient_of_fp32_attention_checked_against_fp64_autograd():
+    """Independent reference: torch autograd through FP64 softmax attention. The exact forward's
+    gradient must agree to FP32 accuracy; a wrong backward (here: the gradients of q and k swapped
+    roles) is caught by the same comparison."""
+    q, k, v = qkv(b=2, hq=4, hk=2, tq=7, tk=7, d=64, seed=5)
+    mask = torch.ones(2, 1, 7, 7, dtype=torch.bool).tril()
+    mask[1, :, :, :2] = False  # row 1: left padding of 2
+    mask[1, :, :2, :] = False
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = F.attention(*leaves, POINT, scale=0.125, attention_mask=mask)
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(out.shape, generator=g)
+    (out.float() * w).sum().backward()
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref = fp32_attention(*ref_leaves, 0.125, mask, dtype=torch.float64)
+    (ref * w.double()).sum().backward()
+    for name, a, r in zip("qkv", leaves, ref_leaves):
+        err = (a.grad.double() - r.grad).abs().max().item()
+        assert err <= 2e-2 * r.grad.abs().max().item(), (name, err)  # BF16 gradients: 8 bits of mantissa
+    # the same check fails for a wrong gradient
+    assert (leaves[0].grad.double() - ref_leaves[1].grad[:, [0, 0, 1, 1]]).abs().max().item() > \
+        2e-2 * ref_leaves[1].grad.abs().max().item()
+
+
+def test_attention_refuses_bad_input_with_typed_errors(no_attention):
+    q, k, v = qkv(b=1)
+    with pytest.raises(InputError, match="must be a tensor"):
+        F.attention([1.0], k, v, POINT)
+    with pytest.raises(InputError, match="Hk dividing Hq"):
+        F.attention(q, k[:, :, :, :32], v, POINT)
+    with pytest.raises(InputError, match="share an activation dtype"):
+        F.attention(q.float(), k.float(), v.float(), POINT)
+    with pytest.raises(RegionUnavailable, match="no measured attention"):
+        F.attention(q, k, v, no_attention)
+
+
+def test_apply_profile_exact_refuses_a_profile_without_attention_and_changes_nothing(no_attention):
+    from .test_patching import assert_untouched, model_state
+
+    model = tiny_model("qwen2", seed=0)
+    before = model_state(model)
+    ids = torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        want = model(ids).logits
+    with pytest.raises(ExactModeUnavailable, match="has none measured"):
+        emulator.apply_profile(model, no_attention, exact=True)
+    assert_untouched(model, before)
+    with torch.no_grad():
+        assert_same_bits(model(ids).logits, want, "after the refusal")
+
+
+def test_apply_profile_exact_refuses_sliding_window_and_dropout():
+    m = tiny_model("qwen2", seed=0)
+    m.model.layers[1].self_attn.sliding_window = 8
+    with pytest.raises(ExactModeUnavailable, match="sliding-window"):
+        emulator.apply_profile(m, ENGINE, exact=True)
+    m = tiny_model("llama", seed=0)
+    m.model.layers[0].self_attn.attention_dropout = 0.1
+    with pytest.raises(ExactModeUnavailable, match="dropout"):
+        emulator.apply_profile(m, ENGINE, exact=True)
+
+
+def test_a_profile_from_another_cpu_capability_is_a_clear_warning(monkeypatch):
+    prof = get_profile(ENGINE)
+    other = "AVX2" if prof.engine.settings.get("cpu_capability") != "AVX2" else "AVX512"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)
+    with pytest.warns(CapabilityMismatch, match=f"this one is {other}"):
+        h = emulator.apply_profile(tiny_model("qwen2", seed=0), prof, exact=True)
+    h.remove()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_exact_mode_patches_attention_reverts_bit_for_bit_and_decodes_like_it_prefills(family):
+    model = tiny_model(family, seed=1)
+    ids = torch.randint(0, 256, (1, 13), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        plain = model(ids).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CapabilityMismatch)
+        h = emulator.apply_profile(model, ENGINE, exact=True)
+    assert h.exact and "attention" in h.emulated and "(exact)" in repr(h)
+    with torch.no_grad():
+        full = model(ids).logits
+    assert not torch.equal(full, plain)
+    # decode with a KV cache: each new token's logits equal the full forward's row (the engine's
+    # prefill and decode agree bit for bit; so must exact mode)
+    with torch.no_grad():
+        out = model(ids[:, :8], use_cache=True)
+        rows = [out.logits[:, -1]]
+        cache = out.past_key_values
+        for t in range(8, 13):
+            out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            rows.append(out.logits[:, -1])
+    assert_same_bits(torch.stack(rows[:-1], 1), full[:, 7:12], "decoded rows vs the full forward")
+    h.remove()
+    with torch.no_grad():
+        assert_same_bits(model(ids).logits, plain, "after remove()")
+
+
+def test_exact_mode_trains():
+    model = tiny_model("qwen2", seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CapabilityMismatch)
+        h = emulator.apply_profile(model, ENGINE, exact=True)
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    g = model.model.layers[0].self_attn.q_proj.weight.grad
+    assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
+    h.remove()
+
+
+def test_exact_mode_against_a_stand_in_engine_with_planted_attention(tmp_path):
+    """The whole exact path without a real engine: the stand-in runs the HF model under the engine
+    profile with its attention computed at the profile's attention point; mismatch's exact rows
+    must be bit-exact while the non-exact rows are not."""
+    from engineloop.mismatch import run_mismatch
+    from engineloop.standin import capture_from_trainer
+
+    model = tiny_model("qwen2", seed=0)
+    cap = capture_from_trainer(model, get_profile(ENGINE), prompts=2, attention=POINT)
+    f = tmp_path / "cap.pt"
+    torch.save(cap, f)
+    rep = run_mismatch("vllm", family="qwen2", profile=ENGINE, capture_file=str(f), exact=True)
+    rows, pre = dict(rep.rows), dict(rep.prefill_rows)
+    assert rows["exact"].exact_match == 1.0 and rows["exact"].abs_dlogp_max == 0.0
+    assert pre["exact"].exact_match == 1.0
+    assert rows["+ engine profile"].exact_match < 1.0  # SDPA is not the planted attention
+    # a wrong attention point in the profile is caught: the exact rows are no longer exact
+    cap2 = capture_from_trainer(model, get_profile(ENGINE), prompts=2, attention=OTHER)
+    torch.save(cap2, f)
+    rep2 = run_mismatch("vllm", family="qwen2", profile=ENGINE, capture_file=str(f), exact=True)
+    assert dict(rep2.prefill_rows)["exact"].exact_match < 1.0

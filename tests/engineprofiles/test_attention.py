@@ -1,0 +1,192 @@
+"""The attention lattice (exact mode): exact FMA, the kernel-style exp, the reference, the black-box fit."""
+
+import math
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+
+from engineprofiles import portable
+from engineprofiles.probe.attention import START, AttentionSample, attention_inputs, fit_attention, score
+from engineprofiles.regions import ATTENTION_SPEC, REGIONS, attention_fp32, attention_ref, causal_mask
+from engineprofiles.regions.attention import exp_poly5_fma
+from engineprofiles.schema import profile_from_yaml
+from engineprofiles.store import get_profile
+
+VLLM_CPU = ATTENTION_SPEC.point(dict(logits="fp32", probs="fp32"))  # the variants' first options
+
+
+def _f32_neighbours(x: float) -> tuple[float, float]:
+    t = torch.tensor([x], dtype=torch.float64).float()
+    lo = torch.nextafter(t, torch.tensor([-math.inf]))
+    hi = torch.nextafter(t, torch.tensor([math.inf]))
+    return [float(v) for v in (lo, t, hi)]
+
+
+def _rne_f32(exact: Fraction) -> float:
+    """Correct round-to-nearest-even of an exact rational to FP32 (the FMA's definition)."""
+    cands = _f32_neighbours(float(exact))
+    best = min(cands, key=lambda c: (abs(Fraction(c) - exact), 0))
+    ties = [c for c in cands if abs(Fraction(c) - exact) == abs(Fraction(best) - exact)]
+    if len(ties) > 1:
+        best = next(c for c in ties if (torch.tensor([c]).float().view(torch.int32).item() & 1) == 0)
+    return best
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor([x], dtype=torch.float64).float())
+
+
+def test_fma_is_the_single_rounding_of_the_exact_value_on_random_and_near_tie_inputs():
+    rng = random.Random(0)
+    trip = []
+    for _ in range(600):
+        a, b = _f32(rng.uniform(-4, 4)), _f32(rng.uniform(-4, 4))
+        trip.append((a, b, _f32(rng.uniform(-8, 8))))
+        # c cancels the product's FP32 rounding: a*b + c lands near an FP32 midpoint of the small
+        # result, where rounding in FP64 then FP32 (double rounding) goes wrong.
+        p = _f32(a * b)
+        trip.append((a, b, -p))
+        trip.append((a, b, _f32(-p * (1 + 2 ** -23))))
+    a, b, c = (torch.tensor(v, dtype=torch.float32) for v in zip(*trip))
+    got = portable.fma(a, b, c)
+    want = torch.tensor([_rne_f32(Fraction(x) * Fraction(y) + Fraction(z)) for x, y, z in trip], dtype=torch.float32)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    # and it is not what a separate multiply and add compute (the test can tell them apart)
+    assert not torch.equal((a * b + c).view(torch.int32), want.view(torch.int32))
+
+
+def test_fma_passes_inf_and_nan_through():
+    a = torch.tensor([1.0, float("inf"), float("nan"), 2.0])
+    c = torch.tensor([float("inf"), 1.0, 1.0, float("-inf")])
+    out = portable.fma(a, torch.ones(4), c)
+    assert out[0] == float("inf") and out[1] == float("inf") and torch.isnan(out[2]) and out[3] == float("-inf")
+
+
+def test_poly5_exp_is_exact_at_zero_underflows_to_zero_and_stays_within_a_few_ulp():
+    # (below about -86.6 the kernel's 2^(n-1) scale underflows its exponent field: 0, as in the kernel)
+    x = torch.linspace(-86.0, 0.0, 20001)
+    y = exp_poly5_fma(x)
+    ref = torch.exp(x.double())
+    rel = ((y.double() - ref) / ref).abs().max().item()
+    assert rel < 4 * 2 ** -23
+    assert exp_poly5_fma(torch.tensor([0.0])).item() == 1.0
+    assert exp_poly5_fma(torch.tensor([-float("inf"), -100.0])).tolist() == [0.0, 0.0]
+    # It is not torch's exp (the lattice can tell them apart).
+    assert not torch.equal(y, torch.exp(x))
+
+
+def test_attention_reference_on_a_case_with_exact_arithmetic():
+    # One query, two keys: logits 0 and ln-free values chosen so every step is exact in FP32:
+    # q.k = 0 for both keys -> equal weights 1/2 -> output = mean of the values.
+    q = torch.zeros(1, 1, 4, dtype=torch.bfloat16)
+    k = torch.ones(2, 1, 4, dtype=torch.bfloat16)
+    v = torch.tensor([[[1.0, 2.0, 3.0, 4.0]], [[3.0, 2.0, 1.0, 0.0]]], dtype=torch.bfloat16)
+    for p in (VLLM_CPU, START):
+        out = attention_ref(q, k, v, p, scale=0.5)
+        assert out.tolist() == [[[2.0, 2.0, 2.0, 2.0]]]
+    # causal: the first of two queries sees only the first key
+    q2 = torch.zeros(2, 1, 4, dtype=torch.bfloat16)
+    out = attention_ref(q2, k, v, VLLM_CPU, scale=0.5)
+    assert out[0].tolist() == [[1.0, 2.0, 3.0, 4.0]] and out[1].tolist() == [[2.0, 2.0, 2.0, 2.0]]
+
+
+@pytest.mark.parametrize("choice", [c.name for c in ATTENTION_SPEC.choices])
+def test_every_option_of_every_choice_is_attention_and_the_probe_inputs_tell_it_apart(choice):
+    """Each formula variant computes attention (close to FP64 softmax attention; a rounding site
+    may move it further: a BF16 logit of 60 is off by 0.125); on the probe's inputs each option of
+    a choice gives other bits than the first option (no dead options)."""
+    cases = list(attention_inputs(torch.bfloat16, 0))
+    c = ATTENTION_SPEC.choice(choice)
+    outs = {}
+    for opt in c.options:
+        p = VLLM_CPU.replace(**{choice: opt})
+        res = []
+        for _, q, k, v, scale in cases:
+            o = attention_ref(q, k, v, p, scale=scale)
+            ref = attention_fp32(q, k, v, scale=scale, dtype=torch.float64)
+            err = (o.double() - ref).abs().max().item()
+            if choice not in ATTENTION_SPEC.site_names:
+                assert err <= 0.02 * ref.abs().max().item() + 1e-3, (p.label(), err)
+            res.append(o)
+        outs[opt] = res
+    first = outs[c.options[0]]
+    for opt in c.options[1:]:
+        assert any(not torch.equal(a, b) for a, b in zip(first, outs[opt])), f"{choice}={opt} is never told apart"
+
+
+@pytest.mark.parametrize("planted", [
+    VLLM_CPU,
+    START,
+    VLLM_CPU.replace(exp="correctly_rounded", row_sum="lanes16_sequential"),  # what a scalar-exp AVX2 build would be
+    START.replace(probs="rounded", normalize="before_pv"),
+    VLLM_CPU.replace(logits="rounded", scale="logits", pv_dot="mul_add"),
+], ids=lambda p: p.label().replace(" ", ","))
+def test_the_attention_fit_recovers_a_planted_engine(planted):
+    """A synthetic engine built from the reference at ``planted``: the fit, started elsewhere,
+    ends on a point that computes the same bits on every probe input (and reports 100%)."""
+    samples = []
+    for path, q, k, v, scale in attention_inputs(torch.bfloat16, 1, quick=True):
+        samples.append(AttentionSample(q, k, v, attention_ref(q, k, v, planted, scale=scale), scale, path))
+    begin = START if planted != START else VLLM_CPU
+    fit = fit_attention(samples, start=begin)
+    assert fit.score.rate == 1.0, (fit.point.label(), fit.score.rate)
+    assert ATTENTION_SPEC.site_part(fit.point) == ATTENTION_SPEC.site_part(planted)
+    assert score(begin, samples).rate < 1.0  # the start was wrong: the fit had something to find
+    ev = fit.evidence("synthetic")
+    assert ev["match_rate"] == 1.0 and ev["runner_up_match_rate"] < 1.0 and not ev["ambiguous"]
+
+
+def test_decode_samples_use_their_mask():
+    _, q, k, v, scale = next(attention_inputs(torch.bfloat16, 0))
+    t = q.shape[0]
+    mask = causal_mask(t, t)
+    full = attention_ref(q, k, v, VLLM_CPU, scale=scale)
+    # the last query alone against every key equals the last row of the prefill
+    last = attention_ref(q[-1:], k, v, VLLM_CPU, scale=scale, mask=mask[-1:])
+    assert torch.equal(last, full[-1:])
+
+
+def test_attention_is_not_one_of_the_regions():
+    assert "attention" not in REGIONS
+
+
+def test_a_version_1_profile_loads_with_attention_not_measured_and_dumps_as_version_2():
+    text = get_profile("vllm-0.32.0-cpu-inductor-bfloat16").to_yaml()
+    import yaml
+
+    data = yaml.safe_load(text)
+    data["schema_version"] = 1
+    del data["attention"]
+    p = profile_from_yaml(yaml.safe_dump(data), "v1.yaml")
+    assert p.schema_version == 2 and not p.available("attention")
+    assert "schema version 1" in p.attention.evidence.reason
+    assert profile_from_yaml(p.to_yaml()).to_yaml() == p.to_yaml()
+
+
+def test_a_version_1_profile_with_an_attention_entry_is_refused():
+    import yaml
+
+    from engineprofiles.errors import ProfileError
+
+    data = yaml.safe_load(get_profile("vllm-0.32.0-cpu-inductor-bfloat16").to_yaml())
+    data["schema_version"] = 1
+    with pytest.raises(ProfileError, match="attention") as e:
+        profile_from_yaml(yaml.safe_dump(data), "v1.yaml")
+    assert "v1.yaml" in str(e.value)
+
+
+def test_a_version_2_profile_without_attention_is_refused_naming_the_field():
+    import yaml
+
+    from engineprofiles.errors import ProfileError
+
+    data = yaml.safe_load(get_profile("vllm-0.32.0-cpu-inductor-bfloat16").to_yaml())
+    del data["attention"]
+    with pytest.raises(ProfileError, match="missing attention entry"):
+        profile_from_yaml(yaml.safe_dump(data), "v2.yaml")
+    data = yaml.safe_load(get_profile("vllm-0.32.0-cpu-inductor-bfloat16").to_yaml())
+    data["attention"]["variants"]["exp"] = "fast"
+    with pytest.raises(ProfileError, match="attention.variants.exp"):
+        profile_from_yaml(yaml.safe_dump(data), "v2.yaml")
