@@ -128,6 +128,7 @@ def mismatch(
     json_out: Optional[str] = typer.Option(None, "--json", help="also write the numbers as JSON"),
     plot: Optional[str] = typer.Option(None, help="also draw the table as a PNG (needs matplotlib)"),
     capture: Optional[str] = typer.Option(None, help="reuse a capture file instead of running the engine"),
+    save_capture: Optional[str] = typer.Option(None, help="keep the engine's capture in this file (for --capture)"),
     mode: str = typer.Option("default", help="the engine's execution mode: default (vLLM on CPU: compiled) or eager"),
     exact: bool = typer.Option(False, "--exact", help="add the 'exact' rows: the trainer in exact mode "
                                "(apply_profile(..., exact=True): the profile's attention too)"),
@@ -156,12 +157,15 @@ def mismatch(
     for k, v in size.items():
         if v < 1:
             _fail(EngineProfilesError(f"{k} must be a positive integer; got {v}"))
+    if capture and save_capture:
+        _fail(EngineProfilesError("--save-capture keeps a new capture; with --capture there is none to keep"))
     if prompt_len < 1 or prompts < 1 or max_tokens < 1:
         _fail(EngineProfilesError("--prompts, --max-tokens and --prompt-len must be positive"))
     t0 = time.perf_counter()
     try:
         rep = run_mismatch(engine, family=family, profile=profile, prompts=prompts, max_tokens=max_tokens, seed=seed,
                            env=env, capture_file=capture, mode=mode, exact=exact, size=size, prompt_len=prompt_len,
+                           save_capture=save_capture,
                            note=lambda m: err.print(f"  [{time.perf_counter() - t0:6.1f}s] {m}", highlight=False))
     except EngineProfilesError as e:
         _fail(e)

@@ -107,7 +107,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                  max_tokens: int = 16, seed: int = 0, env: str | None = None, workdir: str | None = None,
                  capture_file: str | None = None, note: Callable[[str], None] = lambda m: None,
                  mode: str = "default", exact: bool = False, size: dict[str, int] | None = None,
-                 prompt_len: int = 12) -> Report:
+                 prompt_len: int = 12, save_capture: str | None = None) -> Report:
     """``mode``: the engine's default (vLLM on CPU: compiled) or ``eager`` (enforce_eager).
     ``exact``: add the ``exact`` rows (apply_profile(..., exact=True)). ``size``: tiny_model
     overrides (:data:`SIZE_FIELDS`); ``prompt_len``: length of the first prompt."""
@@ -119,6 +119,12 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     bad = sorted(set(size) - set(SIZE_FIELDS))
     if bad:
         raise EngineProfilesError(f"unknown model size field(s) {', '.join(bad)}; fields: {', '.join(SIZE_FIELDS)}")
+    if family == "qwen2" and "head_dim" in size:
+        hidden, heads = size.get("hidden_size", 256), size.get("num_attention_heads", 4)
+        if size["head_dim"] * heads != hidden:
+            raise EngineProfilesError(
+                f"qwen2: head_dim {size['head_dim']} x {heads} heads != hidden {hidden}; vLLM's Qwen2 derives the head "
+                "dim from hidden / heads, so the engine would run another model: make them agree")
     from emulator.patching import apply_profile
     from engineprofiles.models import tiny_model
 
@@ -144,6 +150,11 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
             cap["model_size"], cap["family"] = size, family
             if workdir:
                 torch.save(cap, wd / "capture.pt")  # with the model's size, for --capture
+        if save_capture:
+            tmp_out = Path(save_capture).with_name(Path(save_capture).name + ".tmp")
+            torch.save(cap, tmp_out)
+            tmp_out.replace(save_capture)
+            note(f"capture saved to {save_capture} (reuse it with --capture)")
     eng = cap["engine"]
     cap_mode = eng.get("mode", "default")
     if capture_file and mode == "eager" and cap_mode != "eager":

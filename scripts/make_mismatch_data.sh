@@ -2,7 +2,7 @@
 # Run every end-to-end mismatch measurement that docs/mismatch.md shows (vLLM in the loop, its
 # default compiled mode and enforce_eager, the tiny models and wider ones with longer prompts,
 # with the exact-mode rows), write docs/data/*.json, then regenerate docs/mismatch.md.
-# Takes ~15 minutes on a 2-core CPU (each run starts the engine).
+# Takes ~15 minutes on a 2-core CPU (each run starts the engine). --wide-only: only the wider models.
 set -euo pipefail
 REPO=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
@@ -16,12 +16,15 @@ run() {  # name, then probe-engine mismatch options
   "$PY" -m engineloop.cli mismatch vllm --exact --json "$D/mismatch-vllm-$V-$name.json" "$@" >/dev/null
 }
 WIDE=(--layers 4 --hidden 512 --intermediate 1024 --prompt-len 200 --max-tokens 32)
-for f in qwen2 qwen3 llama; do
-  run "$f" --family "$f"
-  run "$f-eager" --family "$f" --mode eager
-done
-run qwen2-wide --family qwen2 "${WIDE[@]}" --heads 8 --kv-heads 2 --head-dim 128
-run qwen2-wide-eager --family qwen2 --mode eager "${WIDE[@]}" --heads 8 --kv-heads 2 --head-dim 128
+if [[ "${1:-}" != --wide-only ]]; then
+  for f in qwen2 qwen3 llama; do
+    run "$f" --family "$f"
+    run "$f-eager" --family "$f" --mode eager
+  done
+fi
+# (vLLM's Qwen2 takes head_dim = hidden / heads; Qwen3 and Llama read head_dim from the config)
+run qwen2-wide --family qwen2 "${WIDE[@]}" --heads 4 --kv-heads 2 --head-dim 128
+run qwen2-wide-eager --family qwen2 --mode eager "${WIDE[@]}" --heads 4 --kv-heads 2 --head-dim 128
 run qwen3-wide --family qwen3 "${WIDE[@]}" --heads 8 --kv-heads 2 --head-dim 128
 run llama-wide --family llama "${WIDE[@]}" --heads 8 --kv-heads 8 --head-dim 64
 "$PY" scripts/make_mismatch_docs.py

@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""What exact mode costs: forward + backward time of the same model unpatched, with the profile
+(apply_profile), and in exact mode (apply_profile(..., exact=True)), measured side by side in one run.
+
+    .venv/bin/python scripts/bench_exact.py [--profile NAME] [--tokens 256] [--repeats 3] [--layers 2]
+
+Qwen2.5-0.5B's widths (hidden 896, MLP 4864, 14 heads, 2 KV heads, head_dim 64), a 256-token
+vocabulary. Runs are interleaved (unpatched, profile, exact, unpatched, ...) after a warm-up, so a
+change in machine load hits all three alike; ratios are of the medians. Exact mode's attention is
+the bit-portable torch reference (one fused multiply-add per step of every dot product, emulated
+in FP64 with a round-to-odd fix-up), which is what it costs here; absolute times hold for this
+machine only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+
+from emulator import apply_profile
+from emulator.errors import CapabilityMismatch
+from engineprofiles.models import QWEN25_05B_WIDTHS, tiny_inputs, tiny_model
+from engineprofiles.store import get_profile
+
+
+def step(model, ids) -> tuple[float, float]:
+    model.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    out = model(ids, labels=ids)
+    t1 = time.perf_counter()
+    out.loss.backward()
+    return t1 - t0, time.perf_counter() - t1
+
+
+def med(xs: list[tuple[float, float]], i: int | None = None) -> float:
+    return statistics.median(x[i] if i is not None else sum(x) for x in xs)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default="vllm-0.32.0-cpu-inductor-bfloat16-insitu")
+    ap.add_argument("--family", default="qwen2", choices=["qwen2", "qwen3", "llama"])
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    if min(args.tokens, args.layers, args.repeats) < 1:
+        ap.error("--tokens, --layers and --repeats must be positive")
+    prof = get_profile(args.profile)
+    model = tiny_model(args.family, num_hidden_layers=args.layers, **QWEN25_05B_WIDTHS)
+    model.train()
+    ids = tiny_inputs(model, args.tokens)
+    modes = {"unpatched": None, "profile": False, "exact": True}
+    times: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+
+    def run(mode: str) -> tuple[float, float]:
+        ex = modes[mode]
+        if ex is None:
+            return step(model, ids)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CapabilityMismatch)
+            with apply_profile(model, prof, exact=ex):
+                return step(model, ids)
+
+    print(f"{args.family}, Qwen2.5-0.5B widths, {args.layers} layers, {args.tokens} tokens, bf16, CPU "
+          f"({torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, torch {torch.__version__}); "
+          f"profile {prof.canonical_name}; forward + backward, median of {args.repeats}, interleaved", flush=True)
+    for m in modes:  # warm-up
+        run(m)
+    for _ in range(args.repeats):
+        for m in modes:
+            times[m].append(run(m))
+    base = times["unpatched"]
+    print(f"{'trainer':<10} {'fwd+bwd':>9} {'forward':>9} {'backward':>9} {'ratio':>7} {'fwd ratio':>10} {'bwd ratio':>10}")
+    for m, t in times.items():
+        print(f"{m:<10} {med(t):>8.2f}s {med(t, 0):>8.2f}s {med(t, 1):>8.2f}s {med(t) / med(base):>7.2f} "
+              f"{med(t, 0) / med(base, 0):>10.2f} {med(t, 1) / med(base, 1):>10.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
