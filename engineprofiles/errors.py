@@ -25,3 +25,8 @@ class ProfileNotFound(EngineProfilesError, LookupError):
 
 class PointError(EngineProfilesError, ValueError):
     """A lattice point names an unknown site or an option a site does not have."""
+
+
+class OutputNotWritable(EngineProfilesError, OSError):
+    """An output path cannot be written: a folder, a special file, a shipped profile without
+    --ship, no permission; or the write itself failed. Nothing was changed."""
