@@ -19,6 +19,11 @@ class ProfileError(EngineProfilesError, ValueError):
         super().__init__(f"{where}: {message}" if where else message)
 
 
+class ArgumentError(EngineProfilesError, ValueError):
+    """An argument names something that does not exist here: a model family, an engine's execution
+    mode, a device."""
+
+
 class ProfileNotFound(EngineProfilesError, LookupError):
     pass
 

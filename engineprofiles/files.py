@@ -120,8 +120,8 @@ def _signals_raise() -> Iterator[None]:
         restore()
 
 
-def write_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` atomically: a failure or a signal leaves the old file
+def write_atomic(path: str | os.PathLike[str], text: str | bytes) -> Path:
+    """Write ``text`` (UTF-8; or bytes as they are) to ``path`` atomically: a failure or a signal leaves the old file
     (or nothing) and no temporary file. Refuses a target that is not a regular file or absent."""
     path = Path(path)
     target = file_target(path)
@@ -138,12 +138,12 @@ def write_atomic(path: str | os.PathLike[str], text: str) -> Path:
         tmp = None
         try:
             fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
+            with os.fdopen(fd, "wb") as f:
                 if old is not None and (old.st_uid, old.st_gid) != (os.geteuid(), os.getegid()):
                     with contextlib.suppress(OSError):  # keep the owner where we may (root)
                         os.fchown(f.fileno(), old.st_uid, old.st_gid)
                 os.fchmod(f.fileno(), mode)
-                f.write(text)
+                f.write(text.encode("utf-8") if isinstance(text, str) else text)
                 f.flush()
                 os.fsync(f.fileno())
             file_target(path)  # still a regular file or nothing, right before the rename

@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from . import safeyaml
 from .errors import ProfileError
 from .files import write_atomic
+from .names import SAFE_NAME
 from .regions import REGIONS, Point, RegionSpec
 
 SCHEMA_VERSION = 1
@@ -28,7 +29,7 @@ Precision = Literal["fp32", "rounded"]
 SettingValue = Optional[str | int | float | bool | list[str]]
 
 # The parts of a profile's canonical name (and so of a file name): a safe name, never a path.
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$"
+NAME_PATTERN = f"^{SAFE_NAME}$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 Rate = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0)]
