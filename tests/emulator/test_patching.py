@@ -382,6 +382,18 @@ def test_a_profile_argument_of_the_wrong_type_is_refused_and_the_model_untouched
     assert_untouched(model, before)
 
 
+def test_a_binary_profile_file_is_a_profile_error_and_the_model_untouched(tmp_path):
+    from engineprofiles.errors import ProfileError
+
+    model = tiny_model("qwen2", seed=1)
+    before = model_state(model)
+    f = tmp_path / "p.yaml"
+    f.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    with pytest.raises(ProfileError, match="UTF-8"):
+        emulator.apply_profile(model, f)
+    assert_untouched(model, before)
+
+
 def test_a_profile_of_another_dtype_is_refused():
     model = tiny_model("llama", seed=1, dtype="float32")
     state = model_state(model)
