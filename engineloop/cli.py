@@ -333,8 +333,6 @@ def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Op
     import tempfile
     import time
 
-    import torch
-
     from engineprofiles import store
     from engineprofiles.models import tiny_model
 

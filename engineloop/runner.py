@@ -111,18 +111,21 @@ def output_path(output: str | None, ship: bool = False) -> tuple[Path | None, bo
     p = Path(output)
     is_dir = p.is_dir() or output.endswith(os.sep)
     if is_dir:
-        check_writable_folder(p, f"the profile to {output}")
+        folder = p
     else:
         try:
-            check_output_file(p, "the profile")
+            folder = file_target(p).parent
         except OutputNotWritable as e:
             raise OutputNotWritable(f"{e} (-o - prints the profile to stdout)") from None
-    folder = p if is_dir else file_target(p).parent
     if not ship and os.path.realpath(folder) in _shipped_folders():
         raise OutputNotWritable(
             f"{output} is in the folder of shipped profiles ({folder}), which only `scripts/probe.sh ... --ship` "
             "writes: pass --ship to write (and overwrite) a shipped profile there, or -o another folder"
         )
+    if is_dir:
+        check_writable_folder(p, f"the profile to {output}")
+    else:
+        check_output_file(p, "the profile")
     return p, is_dir
 
 

@@ -348,35 +348,53 @@ def test_write_atomic_honours_the_umask_for_a_new_file(tmp_path, umask):
     assert os.stat(tmp_path / "new.yaml").st_mode & 0o777 == 0o666 & ~umask
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
-def test_a_signal_during_the_write_leaves_no_temporary_file(tmp_path, sig):
-    import signal
+def _writer_blocked_in_the_write(tmp_path, disposition: str, sleep_s: float):
+    """A child process stopped inside write_atomic (in fsync, with the temporary file written),
+    with SIGTERM/SIGHUP set to ``disposition`` ("default" or "ignore") as a shell would leave them."""
     import subprocess
     import sys
+    import time
 
     target = tmp_path / "out.yaml"
     target.write_text("old\n")
     ready = tmp_path / "ready"
     code = f"""
-import os, time
+import os, signal, time
 from pathlib import Path
 import engineprofiles.schema as s
-real = os.fsync
+for sig in (signal.SIGTERM, signal.SIGHUP):  # as the shell left them, whatever this test runs under (nohup)
+    signal.signal(sig, signal.SIG_DFL if {disposition!r} == "default" else signal.SIG_IGN)
 def slow(fd):
     Path({str(ready)!r}).write_text("1")
-    time.sleep(30)
+    time.sleep({sleep_s})
 os.fsync = slow
 s.write_atomic(Path({str(target)!r}), "new\\n")
 """
     proc = subprocess.Popen([sys.executable, "-c", code])
-    import time
-
     t0 = time.time()
-    while not ready.exists() and time.time() - t0 < 60:
+    while not ready.exists() and time.time() - t0 < 60 and proc.poll() is None:
         time.sleep(0.05)
     assert ready.exists(), "the writer never reached the write"
+    return proc, target
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_signal_during_the_write_leaves_no_temporary_file(tmp_path, sig):
+    import signal
+
+    proc, target = _writer_blocked_in_the_write(tmp_path, "default", 30)
     proc.send_signal(getattr(signal, sig))
     rc = proc.wait(timeout=30)
-    assert rc == -getattr(signal, sig)
+    assert rc == -getattr(signal, sig)  # it still ends by the signal
     assert target.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.yaml", "ready"]
+
+
+def test_an_ignored_sighup_during_the_write_stays_ignored(tmp_path):
+    import signal
+
+    proc, target = _writer_blocked_in_the_write(tmp_path, "ignore", 1)
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=30) == 0
+    assert target.read_text() == "new\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.yaml", "ready"]
