@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from engineprofiles import __version__
 from engineprofiles.errors import EngineProfilesError
@@ -29,8 +30,18 @@ err = Console(stderr=True)
 
 
 def _fail(e: Exception, code: int = 2) -> None:
-    err.print(f"[red]error:[/red] {e}", highlight=False)
+    # Messages quote paths and profile fields: printed as text, never parsed as rich markup.
+    err.print(Text.assemble(("error:", "red"), " ", str(e)), highlight=False)
     raise typer.Exit(code)
+
+
+def _say(console: Console, text: str, style: str = "") -> None:
+    """Print ``text`` literally (it may hold paths or profile strings), in ``style``."""
+    console.print(Text(text, style=style), highlight=False)
+
+
+def _prefixed(label: str, style: str, text: str) -> Text:
+    return Text.assemble((label, style), " ", text)
 
 
 @app.command()
@@ -43,10 +54,11 @@ def validate(profiles: list[str] = typer.Argument(..., help="profile files or sh
         try:
             p = store.get_profile(name)
         except EngineProfilesError as e:
-            err.print(f"[red]invalid[/red] {e}", highlight=False)
+            err.print(_prefixed("invalid", "red", str(e)), highlight=False)
             bad += 1
             continue
-        out.print(f"[green]ok[/green] {name}: {p.engine.name} {p.engine.version} {p.engine.backend} {p.dtype}", highlight=False)
+        out.print(_prefixed("ok", "green", f"{name}: {p.engine.name} {p.engine.version} {p.engine.backend} {p.dtype}"),
+                  highlight=False)
     if bad:
         raise typer.Exit(1)
 
@@ -71,19 +83,20 @@ def list_profiles() -> None:
     d = store.shipped_dir()
     names = store.shipped_names()
     if not names:
-        out.print(f"no shipped profiles in {d}")
+        _say(out, f"no shipped profiles in {d}")
         return
-    t = Table(title=f"shipped profiles ({d})")
+    t = Table(title=Text(f"shipped profiles ({d})"))
     for col in ("name", "engine", "version", "backend", "mode", "dtype", "method", "date"):
         t.add_column(col)
     for n in names:
         try:
             p = store.get_profile(n)
         except EngineProfilesError as e:
-            t.add_row(n, f"[red]invalid: {e}[/red]", "", "", "", "", "", "")
+            t.add_row(Text(n), Text(f"invalid: {e}", style="red"), "", "", "", "", "", "")
             continue
         e = p.engine
-        t.add_row(n, e.name, e.version, e.backend, e.execution_mode, p.dtype, p.provenance.method, p.provenance.date[:10])
+        t.add_row(*(Text(v) for v in (n, e.name, e.version, e.backend, e.execution_mode, p.dtype, p.provenance.method,
+                                      p.provenance.date[:10])))
     out.print(t)
 
 
@@ -146,27 +159,44 @@ def mismatch(
     import json
     import time
 
-    from . import tables
-    from .mismatch import run_mismatch
+    from engineprofiles.names import check_family_name
+
+    from . import runner, tables
 
     if engine != "vllm":
         _fail(EngineProfilesError(f"mismatch runs vllm only; {engine!r}: SGLang's CPU engine needs a stub sgl_kernel to start (see docs/mismatch.md)"))
     size = {k: v for k, v in (("num_hidden_layers", layers), ("hidden_size", hidden),
                               ("intermediate_size", intermediate), ("num_attention_heads", heads),
                               ("num_key_value_heads", kv_heads), ("head_dim", head_dim)) if v is not None}
-    for k, v in size.items():
-        if v < 1:
-            _fail(EngineProfilesError(f"{k} must be a positive integer; got {v}"))
-    if capture and save_capture:
-        _fail(EngineProfilesError("--save-capture keeps a new capture; with --capture there is none to keep"))
-    if prompt_len < 1 or prompts < 1 or max_tokens < 1:
-        _fail(EngineProfilesError("--prompts, --max-tokens and --prompt-len must be positive"))
+    # Everything that can be checked is checked before the engine runs (minutes).
+    try:
+        check_family_name(family)
+        for k, v in size.items():
+            if v < 1:
+                raise EngineProfilesError(f"{k} must be a positive integer; got {v}")
+        if capture and save_capture:
+            raise EngineProfilesError("--save-capture keeps a new capture; with --capture there is none to keep")
+        if prompt_len < 1 or prompts < 1 or max_tokens < 1:
+            raise EngineProfilesError("--prompts, --max-tokens and --prompt-len must be positive")
+        if mode not in ("default", "compiled", "eager"):
+            raise EngineProfilesError(f"--mode must be default, compiled or eager; got {mode!r}")
+        if json_out:
+            runner.check_output_file(json_out, "--json")
+        if plot:
+            runner.check_output_file(plot, "--plot")
+            tables.check_plot_available()
+        if save_capture:
+            runner.check_output_file(save_capture, "--save-capture")
+    except EngineProfilesError as e:
+        _fail(e)
+    from .mismatch import run_mismatch
+
     t0 = time.perf_counter()
     try:
         rep = run_mismatch(engine, family=family, profile=profile, prompts=prompts, max_tokens=max_tokens, seed=seed,
                            env=env, capture_file=capture, mode=mode, exact=exact, size=size, prompt_len=prompt_len,
                            save_capture=save_capture,
-                           note=lambda m: err.print(f"  [{time.perf_counter() - t0:6.1f}s] {m}", highlight=False))
+                           note=lambda m: _say(err, f"  [{time.perf_counter() - t0:6.1f}s] {m}"))
     except EngineProfilesError as e:
         _fail(e)
     import shlex
@@ -174,14 +204,17 @@ def mismatch(
 
     rep.command = os.environ.get("ENGINEPROFILES_COMMAND") or shlex.join(["probe-engine", *sys.argv[1:]])
     out.print(tables.mismatch_table(rep))
-    if json_out:
-        from engineprofiles.schema import write_atomic
+    try:
+        if json_out:
+            from engineprofiles.files import write_atomic
 
-        write_atomic(Path(json_out), json.dumps(rep.as_dict(), indent=2))
-        err.print(f"wrote {json_out}")
-    if plot:
-        tables.mismatch_plot(rep, plot)
-        err.print(f"wrote {plot}")
+            write_atomic(Path(json_out), json.dumps(rep.as_dict(), indent=2))
+            _say(err, f"wrote {json_out}")
+        if plot:
+            tables.mismatch_plot(rep, plot)
+            _say(err, f"wrote {plot}")
+    except EngineProfilesError as e:
+        _fail(e)
 
 
 ENGINE_HELP = {
@@ -192,33 +225,63 @@ ENGINE_HELP = {
 }
 
 
+OUTPUT_HELP = ("file, or folder for <canonical name>.yaml (a regular file or a new path; never a device or FIFO); "
+               "'-' prints the YAML to stdout and the summary to stderr")
+SHIP_HELP = "allow writing into the folder of shipped profiles (profiles/), as scripts/probe.sh --ship does"
+
+
 MODE_HELP = {
     "vllm": "default (what the engine does by default here: read from its config), compiled, eager",
-    "sglang": "default (what SGLang's CPU engine does), native (forward_native)",
+    "sglang": "default (what SGLang's CPU engine does), compiled (its --enable-torch-compile path)",
 }
+
+
+def _check_arguments(engine: str, device: str, dtype: str, mode: str, family: str,
+                     region: Optional[list[str]]) -> None:
+    """The checks that need no torch and no engine: run before handing over to an engine's environment."""
+    from engineprofiles.names import check_device_name, check_dtype_name, check_family_name, check_mode_name, check_region_name
+
+    check_dtype_name(dtype)
+    check_mode_name(engine, mode)
+    check_device_name(device)
+    check_family_name(family)
+    for r in region or []:
+        check_region_name(r)
+
+
+def _check_cuda(device: str) -> None:
+    if device.startswith("cuda"):
+        import sys
+
+        import torch
+
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise EngineProfilesError(
+                f"--device {device}: torch {torch.__version__} in {sys.executable} sees "
+                f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA device(s); probe on a GPU "
+                "machine with a CUDA build (README: Probing CUDA builds on a GPU machine), or use --device cpu"
+            )
 
 
 def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str], seed: int, quick: bool,
            region: Optional[list[str]], env: Optional[str], print_yaml: bool, model: Optional[str] = None,
-           apply: Optional[str] = None) -> None:
+           apply: Optional[str] = None, ship: bool = False) -> None:
     import os
     import sys
     import time
 
-    from engineprofiles.names import check_dtype_name, check_region_name
-
     from . import runner
 
     try:
-        check_dtype_name(dtype)
-        for r in region or []:
-            check_region_name(r)
-        target, is_dir = runner.output_path(output)
+        _check_arguments(engine, device, dtype, mode, model or "qwen2", region)
+        target, is_dir = runner.output_path(output, ship)
         if not runner.engine_importable(engine) and not os.environ.get("ENGINEPROFILES_REEXEC"):
             python = runner.find_engine_python(engine, env)
-            raise typer.Exit(runner.reexec_in(python, sys.argv[1:], lambda m: err.print(m, highlight=False)))
-        from engineprofiles import render, rounding
+            raise typer.Exit(runner.reexec_in(python, sys.argv[1:], lambda m: _say(err, m)))
+        from engineprofiles import rounding
 
+        _check_cuda(device)
         dt = rounding.act_dtype(dtype)
         if not runner.engine_importable(engine):
             raise runner.EngineNotInstalled(
@@ -234,7 +297,7 @@ def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str
         err.print(f"  {engine} loaded in {time.perf_counter() - t0:.1f}s", highlight=False)
 
         def progress(msg: str) -> None:
-            err.print(f"  [{time.perf_counter() - t0:6.1f}s] {msg}", highlight=False)
+            _say(err, f"  [{time.perf_counter() - t0:6.1f}s] {msg}")
 
         load_s = time.perf_counter() - t0
         profile, results = run_probe(adapter, dtype=dtype, device=device, seed=seed, quick=quick, regions=region,
@@ -249,14 +312,31 @@ def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str
                 json.dump(timings, f)
     except EngineProfilesError as e:
         _fail(e)
-    render.show(profile, out)
+    _emit(profile, output, target, is_dir, print_yaml)
+    global _probe_done
+    _probe_done = True
+
+
+def _emit(profile, output: Optional[str], target: Optional[Path], is_dir: bool, print_yaml: bool,
+          extra=None) -> None:
+    """Print the summary (to stderr with -o -, so that stdout is the YAML alone), the YAML when
+    asked or with -o -, and write the file."""
+    from engineprofiles import render
+
+    from . import runner
+
+    summary = err if output == "-" else out
+    render.show(profile, summary)
+    if extra is not None:
+        summary.print(extra)
     if print_yaml or target is None:
         out.print(profile.to_yaml(), highlight=False, markup=False, soft_wrap=True)
     if target is not None:
-        path = runner.write_profile(profile, target, is_dir)
-        err.print(f"[green]wrote[/green] {path}", highlight=False)
-    global _probe_done
-    _probe_done = True
+        try:
+            path = runner.write_profile(profile, target, is_dir)
+        except EngineProfilesError as e:
+            _fail(e)
+        err.print(_prefixed("wrote", "green", str(path)), highlight=False)
 
 
 # Set when an op-level probe has written everything; read by _main_exit_fast.
@@ -278,24 +358,23 @@ def _patched_adapter(family: Optional[str], profile: str, dt, device: str):
 
 
 def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Optional[str], capture: Optional[str],
-             prompts: int, print_yaml: bool, mode: str = "default", dtype: str = "bfloat16", device: str = "cpu") -> None:
+             prompts: int, print_yaml: bool, mode: str = "default", dtype: str = "bfloat16", device: str = "cpu",
+             ship: bool = False) -> None:
     import sys
     import tempfile
     import time
 
-    import torch
-
-    from engineprofiles import render, store
+    from engineprofiles import store
     from engineprofiles.models import tiny_model
 
     from . import runner, tables
     from .fit import fit_attention_in_situ, fit_profile, in_situ_profile
-    from .mismatch import run_capture
+    from .mismatch import load_capture, run_capture
 
     t0 = time.perf_counter()
 
     def note(m: str) -> None:
-        err.print(f"  [{time.perf_counter() - t0:6.1f}s] {m}", highlight=False)
+        _say(err, f"  [{time.perf_counter() - t0:6.1f}s] {m}")
 
     try:
         if dtype != "bfloat16" or device != "cpu":
@@ -305,12 +384,12 @@ def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Op
             )
         if mode not in ("default", "compiled", "eager"):
             raise EngineProfilesError(f"--mode must be default, compiled or eager for vllm; got {mode!r}")
-        target, is_dir = runner.output_path(output)
+        target, is_dir = runner.output_path(output, ship)
+        if capture:
+            cap = load_capture(capture)
         model = tiny_model(family, seed=seed).eval()
         with tempfile.TemporaryDirectory() as tmp:
-            if capture:
-                cap = torch.load(capture, weights_only=False)
-            else:
+            if not capture:
                 model.save_pretrained(Path(tmp) / "model")
                 cap = run_capture(engine, Path(tmp) / "model", Path(tmp) / "cap.pt", prompts=prompts, max_tokens=16,
                                   seed=seed, env=env, note=note, mode="eager" if mode == "eager" else "default")
@@ -333,13 +412,7 @@ def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Op
         profile = in_situ_profile(fit, start, cap, family, cmd, attention_fit=att_fit)
     except EngineProfilesError as e:
         _fail(e)
-    render.show(profile, out)
-    out.print(tables.in_situ_table(fit))
-    if print_yaml or target is None:
-        out.print(profile.to_yaml(), highlight=False, markup=False, soft_wrap=True)
-    if target is not None:
-        path = runner.write_profile(profile, target, is_dir)
-        err.print(f"[green]wrote[/green] {path}", highlight=False)
+    _emit(profile, output, target, is_dir, print_yaml, extra=tables.in_situ_table(fit))
 
 
 def _engine_command(engine: str):
@@ -347,9 +420,8 @@ def _engine_command(engine: str):
         device: str = typer.Option("cpu", help="device to probe on: cpu or cuda"),
         dtype: str = typer.Option("bfloat16", help="activation dtype: bfloat16 or float16"),
         mode: str = typer.Option("default", help=MODE_HELP[engine]),
-        output: Optional[str] = typer.Option(
-            ".", "-o", "--output", help="file, or folder for <canonical name>.yaml; '-' prints only"
-        ),
+        output: Optional[str] = typer.Option(".", "-o", "--output", help=OUTPUT_HELP),
+        ship: bool = typer.Option(False, "--ship", help=SHIP_HELP),
         seed: int = typer.Option(0, help="seed of the probe inputs"),
         quick: bool = typer.Option(False, help="fewer shapes (for smoke tests)"),
         region: Optional[list[str]] = typer.Option(None, help="probe only this region (repeatable)"),
@@ -367,6 +439,10 @@ def _engine_command(engine: str):
         capture: Optional[str] = typer.Option(None, help="in situ: reuse a capture file"),
         prompts: int = typer.Option(4, help="in situ: number of sequences"),
     ) -> None:
+        try:
+            _check_arguments(engine, device, dtype, mode, family, region)
+        except EngineProfilesError as e:
+            _fail(e)
         if in_situ is None:
             in_situ = engine == "vllm" and mode in ("default", "compiled") and device == "cpu" and dtype == "bfloat16" \
                 and region is None and not quick
@@ -375,9 +451,9 @@ def _engine_command(engine: str):
         if in_situ:
             if engine != "vllm":
                 _fail(EngineProfilesError("--in-situ is implemented for vllm (SGLang's CPU engine runs eagerly)"))
-            _in_situ(engine, family, output, seed, env, capture, prompts, print_yaml, mode, dtype, device)
+            _in_situ(engine, family, output, seed, env, capture, prompts, print_yaml, mode, dtype, device, ship)
             return
-        _probe(engine, device, dtype, mode, output, seed, quick, region, env, print_yaml)
+        _probe(engine, device, dtype, mode, output, seed, quick, region, env, print_yaml, ship=ship)
 
     return command
 
@@ -391,9 +467,8 @@ def _register_engines() -> None:
         device: str = typer.Option("cpu", help="device to probe on: cpu or cuda"),
         dtype: str = typer.Option("bfloat16", help="activation dtype: bfloat16 or float16"),
         mode: str = typer.Option("default", help="execution mode: default (eager modules)"),
-        output: Optional[str] = typer.Option(
-            ".", "-o", "--output", help="file, or folder for <canonical name>.yaml; '-' prints only"
-        ),
+        output: Optional[str] = typer.Option(".", "-o", "--output", help=OUTPUT_HELP),
+        ship: bool = typer.Option(False, "--ship", help=SHIP_HELP),
         seed: int = typer.Option(0, help="seed of the probe inputs"),
         quick: bool = typer.Option(False, help="fewer shapes (for smoke tests)"),
         region: Optional[list[str]] = typer.Option(None, help="probe only this region (repeatable)"),
@@ -403,7 +478,7 @@ def _register_engines() -> None:
             None, "--apply", help="probe a tiny --family model patched with this profile (emulator.apply_profile)"
         ),
     ) -> None:
-        _probe("transformers", device, dtype, mode, output, seed, quick, region, None, print_yaml, family, apply)
+        _probe("transformers", device, dtype, mode, output, seed, quick, region, None, print_yaml, family, apply, ship)
 
 
 _register_engines()

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from engineprofiles.errors import EngineProfilesError
+from engineprofiles.names import is_safe_name
 from engineprofiles.metrics import Mismatch, mismatch
 from engineprofiles.models import FAMILIES
 from engineprofiles.regions import REGIONS
@@ -85,6 +86,45 @@ def sequence_logprobs(model, seq: dict[str, Any]) -> tuple[torch.Tensor, torch.T
     return lp[n_prompt - 1:], lp
 
 
+class CaptureError(EngineProfilesError, ValueError):
+    """A capture file is missing, is not one engineloop.capture wrote, or lacks what the fit needs."""
+
+
+CAPTURE_KEYS = ("prompt", "completion", "sample_logprobs", "prompt_logprobs", "layers")
+
+
+def load_capture(path: str | Path) -> dict[str, Any]:
+    """A capture written by ``engineloop.capture`` (or the stand-in), loaded with
+    ``torch.load(weights_only=True)``: tensors, numbers, strings and containers only, so a file
+    from elsewhere cannot run code while it loads."""
+    p = Path(path)
+    if not p.is_file():
+        what = "does not exist" if not p.exists() else "is not a regular file"
+        raise CaptureError(f"capture file {p} {what}; pass a file written by `python -m engineloop.capture` "
+                           "(probe-engine mismatch/--in-situ write one when run without --capture)")
+    try:
+        cap = torch.load(p, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a file that is not a capture
+        msg = " ".join(str(e).split())
+        msg = msg if len(msg) <= 240 else msg[:237] + "..."
+        raise CaptureError(
+            f"{p} is not a capture file written by engineloop.capture: torch.load(weights_only=True) refused it "
+            f"({type(e).__name__}: {msg}); captures are loaded without running code from the file"
+        ) from None
+    eng = cap.get("engine") if isinstance(cap, dict) else None
+    seqs = cap.get("sequences") if isinstance(cap, dict) else None
+    if not isinstance(eng, dict) or not isinstance(seqs, list) or not seqs:
+        raise CaptureError(f"{p} is not a capture: it needs an 'engine' mapping and a non-empty 'sequences' list")
+    for k in ("name", "version"):
+        if not is_safe_name(eng.get(k)):
+            raise CaptureError(f"{p}: engine.{k} must be a plain name (letters, digits, . _ + -), got {eng.get(k)!r:.80}")
+    for i, seq in enumerate(seqs):
+        missing = [k for k in CAPTURE_KEYS if not isinstance(seq, dict) or k not in seq]
+        if missing:
+            raise CaptureError(f"{p}: sequence {i} lacks {', '.join(missing)}")
+    return cap
+
+
 def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_tokens: int, seed: int,
                 env: str | None, note: Callable[[str], None], mode: str = "default",
                 prompt_len: int = 12) -> dict[str, Any]:
@@ -96,11 +136,15 @@ def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_to
     cmd = [str(py), "-m", "engineloop.capture", engine, "--model", str(model_dir), "--out", str(out),
            "--prompts", str(prompts), "--max-tokens", str(max_tokens), "--seed", str(seed), "--mode", mode,
            "--prompt-len", str(prompt_len)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
+    except OSError as e:
+        raise EngineProfilesError(f"cannot run {py} ({e.strerror or e}); is it the python of an environment made by "
+                                  "scripts/engine_env.sh?") from None
     if r.returncode != 0:
-        tail = "\n".join(r.stderr.splitlines()[-15:])
-        raise EngineProfilesError(f"{engine} capture failed (exit {r.returncode}):\n{tail}")
-    return torch.load(out, weights_only=False)
+        tail = "\n".join(r.stderr.splitlines()[-15:]) or "(no output: is it the python of an engine environment?)"
+        raise EngineProfilesError(f"{engine} capture with {py} failed (exit {r.returncode}):\n{tail}")
+    return load_capture(out)
 
 
 def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | None = None, prompts: int = 4,
@@ -129,7 +173,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     from engineprofiles.models import tiny_model
 
     if capture_file:
-        cap = torch.load(capture_file, weights_only=False)
+        cap = load_capture(capture_file)
         recorded = cap.get("model_size")
         if recorded is not None:
             if size and size != recorded:

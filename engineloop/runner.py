@@ -10,7 +10,9 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from engineprofiles.errors import EngineProfilesError
+from engineprofiles.errors import OutputNotWritable
+from engineprofiles.files import check_writable_folder, file_target
+from engineprofiles.names import is_safe_name
 from engineprofiles.probe.base import EngineNotInstalled
 from engineprofiles.store import shipped_dir
 
@@ -21,10 +23,6 @@ REPO = Path(__file__).resolve().parents[1]
 ENGINES_DIR = Path(os.environ.get("ENGINEPROFILES_ENGINES", REPO / ".engines"))
 ENGINE_MODULE = {"vllm": "vllm", "sglang": "sglang", "transformers": "transformers"}
 DEFAULT_VERSION = {"vllm": "0.32.0", "sglang": "0.5.23"}
-
-
-class OutputNotWritable(EngineProfilesError):
-    pass
 
 
 def install_hint(engine: str) -> str:
@@ -51,6 +49,11 @@ def find_engine_python(engine: str, env: str | None = None) -> Path:
         candidates = [p / "bin" / "python", p, ENGINES_DIR / f"{engine}-{env}" / "bin" / "python"]
         for c in candidates:
             if c.is_file():
+                if not os.access(c, os.X_OK):
+                    raise EngineNotInstalled(
+                        f"--env {env!r}: {c} is not executable; point --env at an environment made by "
+                        f"`scripts/engine_env.sh {engine} VERSION` (its folder, its bin/python or its version)"
+                    )
                 return c
         raise EngineNotInstalled(
             f"no {engine} environment at {env!r}; make one with `scripts/engine_env.sh {engine} VERSION`"
@@ -66,32 +69,69 @@ def find_engine_python(engine: str, env: str | None = None) -> Path:
 
 
 def reexec_in(python: Path, argv: list[str], note: Callable[[str], None]) -> int:
-    """Run this same command with the engine environment's python; return its exit code."""
+    """Run this same command with the engine environment's python; return its exit code (2, with
+    a message, when that python could not run it or ended without an exit status of its own)."""
     note(f"running in the {python.parent.parent.name} environment ({python})")
     env = dict(os.environ, ENGINEPROFILES_REEXEC="1")
     env.setdefault("ENGINEPROFILES_DIR", str(shipped_dir()))
-    return subprocess.call([str(python), "-m", "engineloop.cli", *argv], env=env)
+    try:
+        code = subprocess.call([str(python), "-m", "engineloop.cli", *argv], env=env)
+    except OSError as e:
+        raise EngineNotInstalled(
+            f"cannot run {python} ({e.strerror or e}); is it the python of an environment made by scripts/engine_env.sh?"
+        ) from None
+    if code not in (0, 2):  # probe-engine exits 0, or 2 after an error: line of its own
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        note(f"error: {python} {how} before the probe finished; is it the python of an environment made by "
+             "scripts/engine_env.sh (see its output above, if any)?")
+        return 2
+    return code
 
 
-def output_path(output: str | None) -> tuple[Path | None, bool]:
-    """(path or folder, is_folder). Checked before probing: an unwritable target fails early."""
+def _shipped_folders() -> set[str]:
+    return {os.path.realpath(shipped_dir()), os.path.realpath(REPO / "profiles")}
+
+
+def check_output_file(path: str | os.PathLike[str], what: str) -> Path:
+    """A file output (a profile, --json, --plot) checked before any work: a regular file or a new
+    path, in a folder where files can be created."""
+    p = Path(path)
+    target = file_target(p)
+    check_writable_folder(target.parent, f"{what} to {p}")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise OutputNotWritable(f"cannot write {what} to {p}: the file is not writable")
+    return p
+
+
+def output_path(output: str | None, ship: bool = False) -> tuple[Path | None, bool]:
+    """(path or folder, is_folder). Checked before probing: an unwritable target fails early, and
+    so does one in the folder of shipped profiles without ``ship``. None for '-' (stdout)."""
     if output is None or output == "-":
         return None, False
     p = Path(output)
     is_dir = p.is_dir() or output.endswith(os.sep)
-    folder = p if is_dir else p.parent
-    probe_dir = folder
-    while not probe_dir.exists():
-        probe_dir = probe_dir.parent
-    if not probe_dir.is_dir():
-        raise OutputNotWritable(f"cannot write the profile to {output}: {probe_dir} is a file, not a folder")
-    if not os.access(probe_dir, os.W_OK | os.X_OK):
-        raise OutputNotWritable(f"cannot write the profile to {output}: {probe_dir} is not writable")
-    if not is_dir and p.exists() and not os.access(p, os.W_OK):
-        raise OutputNotWritable(f"cannot write the profile to {output}: the file is not writable")
+    if is_dir:
+        folder = p
+    else:
+        try:
+            folder = file_target(p).parent
+        except OutputNotWritable as e:
+            raise OutputNotWritable(f"{e} (-o - prints the profile to stdout)") from None
+    if not ship and os.path.realpath(folder) in _shipped_folders():
+        raise OutputNotWritable(
+            f"{output} is in the folder of shipped profiles ({folder}), which only `scripts/probe.sh ... --ship` "
+            "writes: pass --ship to write (and overwrite) a shipped profile there, or -o another folder"
+        )
+    if is_dir:
+        check_writable_folder(p, f"the profile to {output}")
+    else:
+        check_output_file(p, "the profile")
     return p, is_dir
 
 
 def write_profile(profile: Profile, target: Path, is_dir: bool) -> Path:
-    path = target / f"{profile.canonical_name}.yaml" if is_dir else target
+    name = profile.canonical_name
+    if not is_safe_name(name) or name in (".", ".."):
+        raise OutputNotWritable(f"the profile's canonical name {name!r} is not a plain file name; not writing it")
+    path = target / f"{name}.yaml" if is_dir else target
     return profile.save(path)

@@ -46,16 +46,27 @@ def mismatch_table(rep) -> Group:
     return Group(*parts)
 
 
-def mismatch_plot(rep, path: str) -> None:
+def check_plot_available() -> None:
+    """Raise (before any work) when --plot cannot draw: matplotlib is missing."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError as e:
         from engineprofiles.errors import EngineProfilesError
 
-        raise EngineProfilesError(f"--plot needs matplotlib ({e}); pip install matplotlib") from None
+        raise EngineProfilesError(f"--plot needs matplotlib ({e}); pip install matplotlib, or leave out --plot") from None
+
+
+def mismatch_plot(rep, path: str) -> None:
+    """Draw the mismatch table as a PNG, written atomically to ``path`` (a regular file or a new path)."""
+    import io
+
+    from engineprofiles.files import write_atomic
+
+    check_plot_available()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     names = [n for n, _ in rep.rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
     axes[0].barh(names, [100 * m.exact_match for _, m in rep.rows])
@@ -67,7 +78,10 @@ def mismatch_plot(rep, path: str) -> None:
     e = rep.engine
     fig.suptitle(f"{e['name']} {e['version']} vs HF trainer ({rep.family})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=120, format="png")
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())
 
 
 def in_situ_table(fit) -> Table:
@@ -90,8 +104,8 @@ def in_situ_table(fit) -> Table:
     for name, _, _ in runners:
         t.add_column(name)
     for k, v in fit.best.layers.items():
-        t.add_row(k, f"{100 * fit.start.layers[k].rate:.2f}%", f"{100 * v.rate:.2f}%",
+        t.add_row(Text(str(k)), f"{100 * fit.start.layers[k].rate:.2f}%", f"{100 * v.rate:.2f}%",
                   *[f"{100 * r.layers[k].rate:.2f}%" for _, _, r in runners])
-    for name, p, _ in runners:
-        t.caption = (t.caption + "\n" if t.caption else "") + f"{name}: {p.label()}"
+    if runners:
+        t.caption = Text("\n".join(f"{name}: {p.label()}" for name, p, _ in runners))
     return t

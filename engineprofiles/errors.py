@@ -19,9 +19,19 @@ class ProfileError(EngineProfilesError, ValueError):
         super().__init__(f"{where}: {message}" if where else message)
 
 
+class ArgumentError(EngineProfilesError, ValueError):
+    """An argument names something that does not exist here: a model family, an engine's execution
+    mode, a device."""
+
+
 class ProfileNotFound(EngineProfilesError, LookupError):
     pass
 
 
 class PointError(EngineProfilesError, ValueError):
     """A lattice point names an unknown site or an option a site does not have."""
+
+
+class OutputNotWritable(EngineProfilesError, OSError):
+    """An output path cannot be written: a folder, a special file, a shipped profile without
+    --ship, no permission; or the write itself failed. Nothing was changed."""

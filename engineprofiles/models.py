@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+from .names import FAMILY_NAMES as FAMILIES
+from .names import check_family_name
 
 # Defaults: small, but with GQA, head_dim 64, a hidden size that is not a single head, and
 # positions well beyond 32k allowed.
@@ -40,6 +41,7 @@ QWEN25_05B_WIDTHS: dict[str, Any] = dict(
 
 
 def _config_class(family: str):
+    check_family_name(family)
     if family == "qwen2":
         from transformers import Qwen2Config
 
@@ -52,7 +54,7 @@ def _config_class(family: str):
         from transformers import LlamaConfig
 
         return LlamaConfig
-    raise ValueError(f"unknown model family {family!r}; families: {', '.join(FAMILIES)}")
+    raise AssertionError(family)  # pragma: no cover - FAMILIES and the branches above agree
 
 
 def tiny_config(family: str = "qwen2", *, attn_implementation: str = "sdpa", **overrides: Any):

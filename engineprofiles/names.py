@@ -1,4 +1,4 @@
-"""Region and activation-dtype names, and their checks, without torch.
+"""Region, activation-dtype, family, mode and device names, and their checks, without torch.
 
 `probe-engine vllm` checks its arguments here, then hands over to the engine's environment; loading
 torch first would cost ~2 s for nothing. ``engineprofiles.rounding`` builds its dtype table from
@@ -8,16 +8,48 @@ tests/engineprofiles/probe/test_cli_probe.py checks that the region specs come i
 
 from __future__ import annotations
 
-from .errors import PointError, UnsupportedDtype
+import re
+
+from .errors import ArgumentError, PointError, UnsupportedDtype
 
 REGION_NAMES = ("rope", "swiglu", "add_rmsnorm", "rmsnorm")
 ACT_DTYPE_NAMES = ("bfloat16", "float16")
+FAMILY_NAMES = ("qwen2", "qwen3", "llama")
+# The execution modes each engine's adapter runs (engineprofiles/probe/adapters/).
+ENGINE_MODES = {"vllm": ("default", "compiled", "eager"), "sglang": ("default", "compiled"), "transformers": ("default",)}
+DEVICE_PATTERN = r"cpu|cuda(:[0-9]+)?"
+# A profile's engine name, version and execution mode become parts of file names: plain names only.
+SAFE_NAME = r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}"
 
 
 def check_region_name(name: str) -> str:
     if name not in REGION_NAMES:
         raise PointError(f"unknown region {name!r}; regions are {', '.join(REGION_NAMES)}")
     return name
+
+
+def check_family_name(name: str) -> str:
+    if name not in FAMILY_NAMES:
+        raise ArgumentError(f"unknown model family {name!r}; families: {', '.join(FAMILY_NAMES)}")
+    return name
+
+
+def check_mode_name(engine: str, mode: str) -> str:
+    modes = ENGINE_MODES[engine]
+    if mode not in modes:
+        raise ArgumentError(f"{engine} mode must be one of {', '.join(modes)}; got {mode!r}")
+    return mode
+
+
+def check_device_name(device: str) -> str:
+    if not re.fullmatch(DEVICE_PATTERN, device):
+        raise ArgumentError(f"unknown device {device!r}; probe on cpu or cuda (cuda:N for another GPU)")
+    return device
+
+
+def is_safe_name(name: object) -> bool:
+    """A plain name (letters, digits, . _ + -; not a path, not hidden), usable in a file name."""
+    return isinstance(name, str) and re.fullmatch(SAFE_NAME, name) is not None
 
 
 def check_dtype_name(name: str) -> str:

@@ -91,6 +91,8 @@ def rsqrt(v: torch.Tensor) -> torch.Tensor:
 def mean_of_squares(x: torch.Tensor) -> torch.Tensor:
     """mean(x*x) over the last dim, kept with size 1, summed in the order described at REDUCE_LANES."""
     n = x.shape[-1]
+    if n == 0:  # the mean of nothing: NaN, as torch's mean gives (the rows it scales are empty)
+        return (x * x).sum(-1, keepdim=True) / _f32(0.0, x)
     pad = (-n) % REDUCE_LANES
     sq = x * x
     if pad:

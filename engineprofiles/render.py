@@ -1,4 +1,8 @@
-"""Readable renderings of profiles for the terminal (rich)."""
+"""Readable renderings of profiles for the terminal (rich).
+
+Every string that comes from a profile or from the command line is rendered as a :class:`Text`,
+never parsed as rich markup: ``engine.device: '[/bold] x'`` prints as written.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,11 @@ from rich.table import Table
 from rich.text import Text
 
 from .schema import Profile
+
+
+def _t(value: object, style: str = "") -> Text:
+    """``value`` as literal text (no markup)."""
+    return Text(str(value), style=style)
 
 
 def _pct(x: float | None) -> str:
@@ -41,16 +50,16 @@ def sites_table(p: Profile, wide: bool = True) -> Table:
         t.add_column(col)
     for name, spec, entry in p.entries():
         if entry.sites is None:
-            t.add_row(name, "-", "[red]unavailable[/red]", entry.evidence.reason or "")
+            t.add_row(name, "-", _t("unavailable", "red"), _t(entry.evidence.reason or ""))
             continue
         first = True
         for c in spec.sites:
             v = getattr(entry.sites, c.name)
             style = "cyan" if v == "fp32" else "yellow"
-            t.add_row(name if first else "", c.name, f"[{style}]{v}[/{style}]", *([c.doc] if wide else []))
+            t.add_row(name if first else "", c.name, _t(v, style), *([_t(c.doc)] if wide else []))
             first = False
         for c in spec.variants:
-            t.add_row("", f"{c.name} (variant)", getattr(entry.variants, c.name), *([c.doc] if wide else []))
+            t.add_row("", f"{c.name} (variant)", _t(getattr(entry.variants, c.name)), *([_t(c.doc)] if wide else []))
         t.add_section()
     return t
 
@@ -68,7 +77,7 @@ def evidence_table(p: Profile) -> Table:
         t.add_row(
             name,
             _pct(ev.match_rate),
-            ru,
+            _t(ru),
             "-" if ev.max_ulp is None else str(ev.max_ulp),
             str(len(ev.shapes)),
             ", ".join(flags) or "-",
@@ -96,25 +105,25 @@ def show(p: Profile, console: Console, name: str | None = None) -> None:
 
 
 def diff_table(d) -> Group:
-    t = Table(title=f"{d.a_name}  vs  {d.b_name}")
-    for col in ("region", "site", d.a_name, d.b_name, ""):
+    t = Table(title=_t(f"{d.a_name}  vs  {d.b_name}"))
+    for col in ("region", "site", _t(d.a_name), _t(d.b_name), ""):
         t.add_column(col, overflow="fold")
     for r in d.rows:
         if r.same:
-            mark = ""
+            mark = _t("")
         elif r.kind == "variant":
-            mark = "[yellow]differs (variant)[/yellow]"
+            mark = _t("differs (variant)", "yellow")
         else:
-            mark = "[red bold]differs[/red bold]"
+            mark = _t("differs", "red bold")
         name = r.name if r.kind != "variant" else f"{r.name} (variant)"
-        t.add_row(r.region, name, r.a, r.b, mark)
+        t.add_row(_t(r.region), _t(name), _t(r.a), _t(r.b), mark)
     parts: list = [t]
     if d.context:
         c = Table(title="other differences (not rounding sites)")
-        for col in ("field", d.a_name, d.b_name):
+        for col in ("field", _t(d.a_name), _t(d.b_name)):
             c.add_column(col, overflow="fold")
         for f, a, b in d.context:
-            c.add_row(f, a, b)
+            c.add_row(_t(f), _t(a), _t(b))
         parts.append(c)
     n = len(d.site_differences)
     parts.append(Text("all rounding sites agree" if n == 0 else f"{n} rounding site(s) differ",

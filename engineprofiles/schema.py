@@ -8,15 +8,18 @@ canonical: ``dump(load(text)) == text`` for every profile this package writes.
 
 from __future__ import annotations
 
+import datetime as _dt
 import os
-import tempfile
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
+from . import safeyaml
 from .errors import ProfileError
+from .files import write_atomic
+from .names import SAFE_NAME
 from .regions import ATTENTION_SPEC, REGIONS, Point, RegionSpec
 
 # 2: the ``attention`` entry (what exact mode consumes). Version 1 files load with it recorded as
@@ -28,36 +31,52 @@ V1_ATTENTION_REASON = "not probed: the profile was written with schema version 1
 Precision = Literal["fp32", "rounded"]
 SettingValue = Optional[str | int | float | bool | list[str]]
 
+# The parts of a profile's canonical name (and so of a file name): a safe name, never a path.
+NAME_PATTERN = f"^{SAFE_NAME}$"
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
+Rate = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=0)]
+
+
+def _iso_time(v: str) -> str:
+    try:
+        t = _dt.datetime.fromisoformat(v)
+    except ValueError:
+        raise ValueError("must be an ISO 8601 time with a time zone, e.g. 2026-12-02T15:33:21Z") from None
+    if t.tzinfo is None:
+        raise ValueError("must name its time zone (UTC: a trailing Z)")
+    return v
+
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
 class EngineInfo(StrictModel):
-    name: str = Field(description="engine name: vllm, sglang, transformers, ...")
-    version: str
+    name: Name = Field(description="engine name: vllm, sglang, transformers, ...")
+    version: Name
     backend: Literal["cpu", "cuda", "rocm", "xpu"]
     device: str = Field(description="the device the probe ran on, as the OS or driver names it")
     torch_version: str
-    execution_mode: str = Field(description="how the engine ran the regions: eager, inductor, custom-op, ...")
+    execution_mode: Name = Field(description="how the engine ran the regions: eager, inductor, custom-op, ...")
     settings: dict[str, SettingValue] = Field(default_factory=dict, description="engine settings that affect numerics")
 
 
 class ShapeResult(StrictModel):
     shape: str
     winner: str
-    match_rate: float
+    match_rate: Rate
 
 
 class Evidence(StrictModel):
     status: Literal["measured", "unavailable"] = "measured"
     reason: Optional[str] = None
     path: Optional[str] = Field(None, description="the engine code path that was probed")
-    match_rate: Optional[float] = Field(None, description="fraction of output elements the winner matches bitwise")
+    match_rate: Optional[Rate] = Field(None, description="fraction of output elements the winner matches bitwise")
     runner_up: Optional[str] = None
-    runner_up_match_rate: Optional[float] = None
-    max_ulp: Optional[int] = Field(None, description="largest ULP distance of the winner's mismatches")
-    elements: Optional[int] = None
+    runner_up_match_rate: Optional[Rate] = None
+    max_ulp: Optional[Count] = Field(None, description="largest ULP distance of the winner's mismatches")
+    elements: Optional[Count] = None
     shapes: list[str] = Field(default_factory=list)
     ambiguous: bool = False
     tied_with: list[str] = Field(default_factory=list)
@@ -112,14 +131,14 @@ AttentionEntry = _entry_model(ATTENTION_SPEC)
 
 
 class Provenance(StrictModel):
-    date: str = Field(description="ISO 8601 time of the probe run (UTC)")
+    date: Annotated[str, AfterValidator(_iso_time)] = Field(description="ISO 8601 time of the probe run (UTC)")
     probe_version: str
     package_version: str
     method: Literal["op-level", "in-situ", "synthetic"]
     command: str
     host: Optional[str] = None
     seed: Optional[int] = None
-    duration_s: Optional[float] = None
+    duration_s: Optional[Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = None
 
 
 class Profile(StrictModel):
@@ -193,22 +212,6 @@ class Profile(StrictModel):
         return write_atomic(Path(path), self.to_yaml())
 
 
-def write_atomic(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
 # -- parsing with messages that name the file and the field ------------------------------------
 
 
@@ -239,6 +242,7 @@ def _allowed_here(loc: tuple[Any, ...]) -> str:
 
 def _format_error(err: dict[str, Any]) -> tuple[str, str]:
     loc = tuple(p for p in err["loc"] if not isinstance(p, str) or not p.startswith("function-after"))
+    loc = tuple(p if not isinstance(p, str) or len(p) <= 60 else p[:57] + "..." for p in loc)  # keys come from the file
     field = ".".join(str(p) for p in loc) or "(top level)"
     kind = err["type"]
     if kind == "extra_forbidden":
@@ -258,7 +262,12 @@ def _format_error(err: dict[str, Any]) -> tuple[str, str]:
             return field, f"missing site {loc[2]!r} of attention"
         return field, "required field is missing"
     got = err.get("input")
-    shown = repr(got) if not isinstance(got, dict) else "a mapping"
+    if kind == "string_pattern_mismatch":
+        return field, (
+            f"must be a plain name (letters, digits and . _ + -, starting with a letter or digit, at most 64 "
+            f"characters; it becomes part of file names), got {safeyaml.short(got)}"
+        )
+    shown = safeyaml.short(got) if not isinstance(got, dict) else "a mapping"
     return field, f"{err['msg']} (got {shown})"
 
 
@@ -270,7 +279,7 @@ def profile_from_data(data: Any, source: str = "<profile>") -> Profile:
         raise ProfileError("missing schema_version", source=source, field="schema_version")
     if version not in SUPPORTED_SCHEMA_VERSIONS or isinstance(version, bool):
         raise ProfileError(
-            f"schema version {version!r} is not supported by this engineprofiles (supports "
+            f"schema version {safeyaml.short(version)} is not supported by this engineprofiles (supports "
             f"{', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}); upgrade engineprofiles or re-probe",
             source=source,
             field="schema_version",
@@ -296,12 +305,17 @@ def migrate(data: dict[str, Any], source: str = "<profile>") -> dict[str, Any]:
 
 
 def profile_from_yaml(text: str, source: str = "<string>") -> Profile:
+    """Parse a profile from YAML text: duplicate keys, deep nesting and alias expansion beyond a
+    small limit are refused (:mod:`engineprofiles.safeyaml`), then the schema is checked."""
     try:
-        data = yaml.safe_load(text)
+        data = safeyaml.load(text)
+    except safeyaml.Refused as e:
+        raise ProfileError(e.message, source=source, field=f"line {e.line}" if e.line else None) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else None
         problem = getattr(e, "problem", None) or str(e)
+        problem = problem if len(problem) <= 300 else problem[:297] + "..."
         raise ProfileError(f"YAML syntax error: {problem}", source=source, field=where) from None
     return profile_from_data(data, source)
 
@@ -309,9 +323,11 @@ def profile_from_yaml(text: str, source: str = "<string>") -> Profile:
 def load_profile(path: str | os.PathLike[str]) -> Profile:
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = safeyaml.read_text(p)
+    except safeyaml.NotText as e:
+        raise ProfileError(f"cannot read profile: {e}", source=str(p)) from None
     except OSError as e:
-        raise ProfileError(f"cannot read profile: {e.strerror}", source=str(p)) from None
+        raise ProfileError(f"cannot read profile: {e.strerror or e}", source=str(p)) from None
     return profile_from_yaml(text, str(p))
 
 

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import ProfileNotFound
+from .errors import ProfileError, ProfileNotFound
 
 if TYPE_CHECKING:
     from .schema import Profile
@@ -31,8 +31,16 @@ def shipped_names() -> list[str]:
     return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
 
 
+def _check_kind(profile: object) -> None:
+    if not isinstance(profile, (str, os.PathLike)) or isinstance(os.fspath(profile), bytes):
+        raise ProfileError(
+            f"a profile is given as a Profile, a path or a shipped name; got {type(profile).__name__}"
+        )
+
+
 def resolve(name_or_path: str | os.PathLike[str]) -> Path:
     """A path to an existing file, or the file of a shipped profile named ``name_or_path``."""
+    _check_kind(name_or_path)
     p = Path(name_or_path)
     if p.is_file():
         return p
@@ -51,6 +59,7 @@ def get_profile(profile: "Profile | str | os.PathLike[str]") -> Profile:
 
     if isinstance(profile, Profile):
         return profile
+    _check_kind(profile)
     return load_profile(resolve(profile))
 
 

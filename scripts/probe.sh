@@ -23,7 +23,8 @@ if [[ $# -ge 1 && "$1" != -* ]]; then VERSION=$1; shift; fi
 OUT="out"
 ARGS=()
 for a in "$@"; do
-  if [[ "$a" == "--ship" ]]; then OUT="profiles"; else ARGS+=("$a"); fi
+  # probe-engine writes into profiles/ only with --ship too
+  if [[ "$a" == "--ship" ]]; then OUT="profiles"; ARGS+=("--ship"); else ARGS+=("$a"); fi
 done
 cd "$REPO"
 mkdir -p "$OUT"

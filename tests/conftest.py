@@ -1,3 +1,8 @@
+import hashlib
+import os
+import stat
+from pathlib import Path
+
 import pytest
 
 from engineprofiles.regions import REGIONS
@@ -29,3 +34,52 @@ def profile_file(tmp_path, profile):
     path = tmp_path / "good.yaml"
     profile.save(path)
     return path
+
+
+# -- what no command in the test suite may change (issue 17) --------------------------------------
+
+SPECIAL_FILES = ("/dev/null", "/dev/full", "/dev/zero")
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "profiles"
+
+
+def _snapshot() -> dict[str, tuple]:
+    snap: dict[str, tuple] = {}
+    for f in SPECIAL_FILES:
+        if os.path.lexists(f):
+            st = os.lstat(f)
+            snap[f] = (stat.S_IFMT(st.st_mode), st.st_mode & 0o7777, st.st_rdev)
+    for f in sorted(SHIPPED_DIR.iterdir()):
+        st = os.lstat(f)
+        snap[str(f)] = (stat.S_IFMT(st.st_mode), st.st_mode & 0o7777, hashlib.sha256(f.read_bytes()).hexdigest())
+    return snap
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _special_files_modes_and_shipped_profiles_are_unchanged():
+    before = _snapshot()
+    yield
+    after = _snapshot()
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    assert not changed, f"the test suite changed {changed}"
+
+
+@pytest.fixture(autouse=True)
+def _never_replace_a_special_file(monkeypatch):
+    """A safety net: were a regression to let a write replace a device or a FIFO (as root it can),
+    the test fails here instead of damaging the machine."""
+    real_replace, real_rename = os.replace, os.rename
+
+    def guard(real):
+        def guarded(src, dst, *a, **k):
+            try:
+                st = os.stat(dst)
+            except (FileNotFoundError, NotADirectoryError):
+                st = None
+            if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                raise AssertionError(f"a test tried to replace the special file {dst}")
+            return real(src, dst, *a, **k)
+
+        return guarded
+
+    monkeypatch.setattr(os, "replace", guard(real_replace))
+    monkeypatch.setattr(os, "rename", guard(real_rename))

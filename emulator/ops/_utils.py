@@ -87,7 +87,7 @@ def lane_sum(t: torch.Tensor) -> torch.Tensor:
     chunks = t.reshape(*t.shape[:-1], (n + pad) // LANES, LANES)
     # The lanes start at +0, as in the kernels (for sums of squares, never -0, this is
     # portable.mean_of_squares' acc = chunk 0 exactly).
-    acc = torch.zeros_like(chunks[..., 0, :])
+    acc = chunks.new_zeros((*chunks.shape[:-2], LANES))  # no chunk 0 when the rows are empty
     for k in range(chunks.shape[-2]):
         acc = acc + chunks[..., k, :]
     while acc.shape[-1] > 1:

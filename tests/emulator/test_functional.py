@@ -263,6 +263,46 @@ def test_mismatched_points_dtypes_and_shapes_are_refused_with_typed_errors():
         F.swiglu(x, x, "no-such-engine-1.0")
 
 
+@pytest.mark.parametrize("op", ["rope", "swiglu", "rmsnorm", "add_rmsnorm"])
+def test_a_list_instead_of_a_tensor_is_an_input_error(op):
+    x = torch.zeros(2, 1, 8, dtype=torch.bfloat16)
+    w = torch.ones(8, dtype=torch.bfloat16)
+    cos, sin = rope_cos_sin(torch.arange(2), 8)
+    prof = synthetic_profile()
+    calls = {
+        "rope": [lambda: F.rope(x.tolist(), cos, sin, prof), lambda: F.rope(x, cos.tolist(), sin, prof)],
+        "swiglu": [lambda: F.swiglu(x.tolist(), x, prof), lambda: F.swiglu(x, x.tolist(), prof)],
+        "rmsnorm": [lambda: F.rmsnorm(x.tolist(), w, EPS, prof), lambda: F.rmsnorm(x, w.tolist(), EPS, prof)],
+        "add_rmsnorm": [lambda: F.add_rmsnorm(x, x.tolist(), w, EPS, prof), lambda: F.add_rmsnorm(x.tolist(), x, w, EPS, prof)],
+    }[op]
+    for call in calls:
+        with pytest.raises(InputError, match="must be a tensor, got list"):
+            call()
+
+
+@pytest.mark.parametrize("bad", [None, 5, 2.0, ["rope"]], ids=["None", "int", "float", "list"])
+def test_a_profile_argument_of_the_wrong_type_is_a_typed_error(bad):
+    x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(EmulatorError, match="a Profile, a path, a shipped name or a lattice Point"):
+        F.swiglu(x, x, bad)
+
+
+@pytest.mark.parametrize("backend", ["reference", "reference-portable", "triton"])
+def test_hidden_zero_gives_empty_outputs_on_every_backend(backend):
+    # Zero-width rows normalize nothing: every backend returns empty outputs (the portable one
+    # used to raise IndexError).
+    prof = synthetic_profile()
+    x = torch.zeros(3, 0, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(0, dtype=torch.bfloat16, requires_grad=True)
+    with F.use_backend(backend):
+        y = F.rmsnorm(x, w, EPS, prof)
+        out, res = F.add_rmsnorm(x, x, w, EPS, prof)
+        s = F.swiglu(x, x, prof)
+        (y.float().sum() + out.float().sum() + res.float().sum() + s.float().sum()).backward()
+    assert y.shape == out.shape == res.shape == s.shape == (3, 0)
+    assert x.grad.shape == (3, 0) and w.grad.shape == (0,)
+
+
 def test_fp32_input_with_an_explicit_activation_dtype():
     """q/k handed on in FP32 by a q/k norm whose output site is fp32, then RoPE rounds once."""
     g = torch.Generator().manual_seed(8)

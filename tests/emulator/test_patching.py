@@ -366,6 +366,34 @@ def test_an_unsupported_model_is_refused_with_the_supported_families():
         emulator.apply_profile(torch.nn.Linear(4, 4), ALL_EMULATED)
 
 
+@pytest.mark.parametrize("bad", [None, "Qwen2ForCausalLM", 5, torch.zeros(2)], ids=["None", "str", "int", "tensor"])
+def test_something_that_is_not_a_model_is_refused_with_a_typed_error(bad):
+    with pytest.raises(UnsupportedModel, match="torch.nn.Module"):
+        emulator.apply_profile(bad, "vllm-0.32.0-cpu-inductor-bfloat16")
+
+
+@pytest.mark.parametrize("bad", [None, 5, REGIONS["rope"].all_points()[0], {"dtype": "bfloat16"}],
+                         ids=["None", "int", "Point", "dict"])
+def test_a_profile_argument_of_the_wrong_type_is_refused_and_the_model_untouched(bad):
+    model = tiny_model("qwen2", seed=1)
+    before = model_state(model)
+    with pytest.raises(ProfileMismatch, match="a Profile, a path or a shipped name"):
+        emulator.apply_profile(model, bad)
+    assert_untouched(model, before)
+
+
+def test_a_binary_profile_file_is_a_profile_error_and_the_model_untouched(tmp_path):
+    from engineprofiles.errors import ProfileError
+
+    model = tiny_model("qwen2", seed=1)
+    before = model_state(model)
+    f = tmp_path / "p.yaml"
+    f.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    with pytest.raises(ProfileError, match="UTF-8"):
+        emulator.apply_profile(model, f)
+    assert_untouched(model, before)
+
+
 def test_a_profile_of_another_dtype_is_refused():
     model = tiny_model("llama", seed=1, dtype="float32")
     state = model_state(model)

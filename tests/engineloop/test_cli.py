@@ -1,7 +1,12 @@
+import os
+import stat
+
 import pytest
 from typer.testing import CliRunner
 
 from engineloop.cli import app
+from engineprofiles.regions import REGIONS
+from engineprofiles.schema import make_profile
 from engineprofiles.store import ENV_VAR
 
 runner = CliRunner()
@@ -57,3 +62,167 @@ def test_list_says_when_nothing_is_shipped(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_VAR, str(tmp_path))
     r = runner.invoke(app, ["list"])
     assert r.exit_code == 0 and "no shipped profiles" in r.output
+
+
+# -- hostile input (issue 17) ----------------------------------------------------------------------
+
+BINARY = b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe binary \x80\x81"
+
+
+def _markup_profile(tmp_path):
+    """A valid profile whose strings are rich markup (and one that would close a tag never opened)."""
+    points = {n: s.all_points()[0] for n, s in REGIONS.items()}
+    evidence = {n: {"match_rate": 0.5, "runner_up": "[bold]ru[/bold] [/]", "path": "[/bold] path",
+                    "notes": ["[red]note[/red] [/]"], "tied_with": ["[/x]"], "ambiguous": True} for n in REGIONS}
+    p = make_profile(
+        engine=dict(name="markup", version="1.0", backend="cpu", device="[/bold] x", torch_version="[/] t",
+                    execution_mode="eager", settings={"[/k]": "[/v]", "k": ["[/a]", "[b]"]}),
+        dtype="bfloat16", points=points, evidence=evidence,
+        provenance=dict(date="2026-12-02T00:00:00Z", probe_version="[/]", package_version="[/]",
+                        method="synthetic", command="[/bold] cmd"),
+    )
+    path = tmp_path / "[red]markup[/red].yaml"
+    p.save(path)
+    return path
+
+
+def test_validate_reports_every_file_and_a_binary_one_clearly(shipped, tmp_path):
+    d, name = shipped
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(BINARY)
+    r = runner.invoke(app, ["validate", name, str(binary), name])
+    assert r.exit_code == 1, r.output
+    assert r.output.count("ok") == 2 and "invalid" in r.output and "UTF-8" in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+def test_diff_show_and_apply_of_a_binary_file_are_errors_with_exit_2(shipped, tmp_path):
+    d, name = shipped
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(BINARY)
+    for args in (["diff", name, str(binary)], ["diff", str(binary), name], ["show", str(binary)],
+                 ["transformers", "--apply", str(binary), "-o", str(tmp_path / "out")]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 2, (args, r.output)
+        assert "error:" in r.output and "UTF-8" in r.output, (args, r.output)
+        assert isinstance(r.exception, SystemExit), (args, r.exception)
+
+
+def test_list_marks_a_binary_shipped_file_invalid_and_lists_the_others(shipped):
+    d, name = shipped
+    (d / "zz-binary.yaml").write_bytes(BINARY)
+    r = runner.invoke(app, ["list"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    assert "zz-binary" in r.output and "invalid" in r.output and "synthetic" in r.output
+
+
+def test_validate_refuses_a_profile_with_a_duplicate_key(shipped, tmp_path):
+    d, name = shipped
+    dup = tmp_path / "dup.yaml"
+    dup.write_text((d / f"{name}.yaml").read_text() + "dtype: float16\n")
+    r = runner.invoke(app, ["validate", str(dup)])
+    assert r.exit_code == 1 and "duplicate key 'dtype'" in r.output, r.output
+
+
+def test_profile_strings_with_rich_markup_are_printed_literally(shipped, tmp_path):
+    d, name = shipped
+    path = _markup_profile(tmp_path)
+    for args, code in ((["diff", name, str(path)], 1), (["diff", str(path), name, "-f", "markdown"], 1),
+                       (["show", str(path)], 0), (["validate", str(path)], 0)):
+        r = runner.invoke(app, args, env={"COLUMNS": "250"})
+        assert r.exit_code == code, (args, r.output, r.exception)
+        assert r.exception is None or isinstance(r.exception, SystemExit), (args, r.exception)
+    r = runner.invoke(app, ["show", str(path)], env={"COLUMNS": "250"})
+    for literal in ("[/bold] x", "[/] t", "[red]note[/red] [/]", "[/bold] cmd", "[/k]=[/v]"):
+        assert literal in r.output, literal
+    r = runner.invoke(app, ["diff", name, str(path)], env={"COLUMNS": "250"})
+    assert "[/bold] x" in r.output and "[red]markup[/red].yaml" in r.output
+
+
+def test_list_prints_markup_in_shipped_profiles_literally(shipped, tmp_path):
+    d, name = shipped
+    path = _markup_profile(tmp_path)
+    (d / "markup.yaml").write_bytes(path.read_bytes())
+    r = runner.invoke(app, ["list"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert "markup" in r.output
+
+
+def test_an_error_about_a_path_with_markup_is_printed_literally(tmp_path):
+    (tmp_path / "[").mkdir()
+    bad = tmp_path / "[" / "bold]bad.yaml"  # the path reads .../[/bold]bad.yaml
+    bad.write_text("schema_version: 9\n")
+    r = runner.invoke(app, ["show", str(bad)])
+    assert r.exit_code == 2 and "[/bold]bad.yaml" in r.output, (r.output, r.exception)
+    r = runner.invoke(app, ["validate", str(bad)])
+    assert r.exit_code == 1 and "[/bold]bad.yaml" in r.output, (r.output, r.exception)
+
+
+# -- mismatch: everything checked before the engine runs -------------------------------------------
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    called = []
+    monkeypatch.setattr("engineloop.mismatch.run_mismatch", lambda *a, **k: called.append(1))
+    return called
+
+
+def _refused(r, *words):
+    assert r.exit_code == 2, (r.output, r.exception)
+    assert isinstance(r.exception, SystemExit), r.exception
+    assert "error:" in r.output
+    said = " ".join(r.output.split())  # rich wraps long lines
+    for w in words:
+        assert w in said, (w, r.output)
+
+
+def test_mismatch_output_paths_are_checked_before_the_run(tmp_path, no_run):
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    for args in (["--json", str(fifo)], ["--plot", str(fifo)], ["--json", str(afile / "m.json")],
+                 ["--plot", str(afile / "m.png")], ["--json", "/proc/engineprofiles-m.json"], ["--json", str(tmp_path)]):
+        _refused(runner.invoke(app, ["mismatch", *args]), "cannot write")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and not no_run
+
+
+def test_mismatch_plot_without_matplotlib_fails_before_the_run(tmp_path, no_run, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    _refused(runner.invoke(app, ["mismatch", "--plot", str(tmp_path / "m.png")]), "matplotlib")
+    assert not no_run
+
+
+def test_mismatch_unknown_family_fails_before_the_run(no_run):
+    _refused(runner.invoke(app, ["mismatch", "--family", "gpt2"]), "gpt2")
+    assert not no_run
+
+
+def _evil_capture(tmp_path):
+    """A torch.save file that runs code when loaded with weights_only=False."""
+    import torch
+
+    marker = tmp_path / "code-ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    f = tmp_path / "evil.pt"
+    torch.save({"engine": Evil(), "sequences": []}, f)
+    return f, marker
+
+
+@pytest.mark.parametrize("command", [["mismatch"], ["vllm", "--in-situ", "-o", "-"]], ids=["mismatch", "in-situ"])
+def test_a_missing_text_or_code_running_capture_is_an_error_line(tmp_path, command):
+    text = tmp_path / "cap.txt"
+    text.write_text("not a capture\n")
+    _refused(runner.invoke(app, [*command, "--capture", str(tmp_path / "absent.pt")]), "does not exist")
+    _refused(runner.invoke(app, [*command, "--capture", str(text)]), "not a capture file")
+    _refused(runner.invoke(app, [*command, "--capture", str(tmp_path)]), "not a regular file")
+    evil, marker = _evil_capture(tmp_path)
+    _refused(runner.invoke(app, [*command, "--capture", str(evil)]), "weights_only")
+    assert not marker.exists()

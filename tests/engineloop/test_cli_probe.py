@@ -2,9 +2,12 @@
 transformers probe runs end to end (transformers is a test dependency)."""
 
 import os
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -104,3 +107,167 @@ def test_module_entry_point_writes_and_flushes_everything_before_its_fast_exit(t
     bad.write_text("schema_version: 9\n")
     r = subprocess.run([sys.executable, "-m", "engineloop.cli", "validate", str(bad)], capture_output=True, text=True)
     assert r.returncode == 1 and "schema_version" in r.stderr
+
+
+# -- hostile input (issue 17) ----------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+QUICK = ["--quick", "--region", "swiglu"]
+
+
+def _no_probe(monkeypatch):
+    """Record whether a probe started (it must not, when the arguments are refused)."""
+    called = []
+    monkeypatch.setattr("engineprofiles.probe.adapters.make_adapter", lambda *a, **k: called.append(1))
+    monkeypatch.setattr("engineloop.cli._patched_adapter", lambda *a, **k: called.append(1))
+    return called
+
+
+def _refused(r, *words):
+    assert r.exit_code == 2, (r.output, r.exception)
+    assert isinstance(r.exception, SystemExit), r.exception  # an error: line, not a traceback
+    assert "error:" in r.output, r.output
+    said = " ".join(r.output.split())  # rich wraps long lines
+    for w in words:
+        assert w in said, (w, r.output)
+
+
+def test_output_to_a_fifo_is_refused_before_probing_and_stays_a_fifo(tmp_path, monkeypatch):
+    called = _no_probe(monkeypatch)
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    _refused(cli.invoke(app, ["transformers", "--quick", "-o", str(fifo)]), "not a regular file", "-o -")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and not called
+
+
+@pytest.mark.parametrize("dev", ["/dev/null", "/dev/full"])
+def test_output_to_a_device_is_refused_before_probing_and_stays_a_device(dev, monkeypatch):
+    called = _no_probe(monkeypatch)
+    before = os.lstat(dev)
+    _refused(cli.invoke(app, ["transformers", "--quick", "-o", dev]), "not a regular file")
+    after = os.lstat(dev)
+    assert stat.S_ISCHR(after.st_mode) and (after.st_rdev, after.st_mode) == (before.st_rdev, before.st_mode)
+    assert not called
+
+
+def test_output_in_proc_is_refused_before_probing(monkeypatch):
+    # Root passes os.access checks there; creating a file does not.
+    called = _no_probe(monkeypatch)
+    _refused(cli.invoke(app, ["transformers", "--quick", "-o", "/proc/engineprofiles-x.yaml"]), "cannot write")
+    assert not called
+
+
+def _canonical_transformers_name():
+    import transformers
+
+    return f"transformers-{transformers.__version__}-cpu-eager-bfloat16"
+
+
+def test_a_fifo_in_the_output_folder_with_the_profiles_name_is_refused_and_stays(tmp_path):
+    fifo = tmp_path / f"{_canonical_transformers_name()}.yaml"
+    os.mkfifo(fifo)
+    _refused(cli.invoke(app, ["transformers", *QUICK, "-o", str(tmp_path)]), "not a regular file")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert [p.name for p in tmp_path.iterdir()] == [fifo.name]
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640])
+def test_a_profile_written_over_a_file_keeps_its_mode(tmp_path, mode):
+    out = tmp_path / "p.yaml"
+    out.write_text("old\n")
+    os.chmod(out, mode)
+    r = cli.invoke(app, ["transformers", *QUICK, "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert os.stat(out).st_mode & 0o7777 == mode and yaml.safe_load(out.read_text())["schema_version"] == 1
+
+
+def test_a_new_profile_honours_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        r = cli.invoke(app, ["transformers", *QUICK, "-o", str(tmp_path / "p.yaml")])
+    finally:
+        os.umask(old)
+    assert r.exit_code == 0, r.output
+    assert os.stat(tmp_path / "p.yaml").st_mode & 0o777 == 0o644
+
+
+def test_dash_output_prints_the_yaml_alone_on_stdout(tmp_path):
+    r = cli.invoke(app, ["transformers", *QUICK, "-o", "-"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    data = yaml.safe_load(r.stdout)
+    assert data["regions"]["swiglu"]["sites"] == {"silu": "rounded"}
+    assert "rounding sites" in r.stderr and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["folder", "file"])
+def test_the_checkouts_profiles_folder_is_refused_without_ship(where, monkeypatch):
+    called = _no_probe(monkeypatch)
+    shipped = sorted((REPO / "profiles").glob("*.yaml"))
+    target = str(REPO / "profiles") + os.sep if where == "folder" else str(shipped[0])
+    _refused(cli.invoke(app, ["transformers", "--quick", "-o", target]), "--ship")
+    _refused(cli.invoke(app, ["vllm", "--op-level", "--quick", "-o", target]), "--ship")
+    assert not called
+
+
+def test_ship_allows_writing_into_the_shipped_folder(tmp_path, monkeypatch):
+    from engineprofiles.store import ENV_VAR
+
+    d = tmp_path / "profiles"
+    d.mkdir()
+    monkeypatch.setenv(ENV_VAR, str(d))
+    _refused(cli.invoke(app, ["transformers", *QUICK, "-o", str(d)]), "--ship")
+    assert list(d.iterdir()) == []
+    r = cli.invoke(app, ["transformers", *QUICK, "-o", str(d), "--ship"])
+    assert r.exit_code == 0, r.output
+    assert [p.name for p in d.iterdir()] == [f"{_canonical_transformers_name()}.yaml"]
+
+
+@pytest.mark.parametrize("args, word", [
+    (["--family", "gpt2"], "gpt2"), (["--mode", "turbo"], "turbo"), (["--device", "tpu"], "tpu"),
+    (["--device", "cuda:x"], "cuda:x"),
+])
+def test_bad_transformers_options_are_error_lines(tmp_path, monkeypatch, args, word):
+    called = _no_probe(monkeypatch)
+    _refused(cli.invoke(app, ["transformers", "--quick", *args, "-o", str(tmp_path)]), word)
+    assert not called
+
+
+@pytest.mark.parametrize("engine, args, word", [
+    ("vllm", ["--op-level", "--mode", "turbo"], "turbo"), ("vllm", ["--op-level", "--device", "tpu"], "tpu"),
+    ("vllm", ["--mode", "turbo"], "turbo"), ("vllm", ["--in-situ", "--family", "gpt2"], "gpt2"),
+    ("sglang", ["--mode", "eager"], "eager"), ("sglang", ["--device", "tpu"], "tpu"),
+])
+def test_bad_engine_options_are_refused_before_handing_over(tmp_path, monkeypatch, engine, args, word):
+    monkeypatch.setattr(probe_runner, "ENGINES_DIR", tmp_path)
+    monkeypatch.setattr(probe_runner, "engine_importable", lambda e: False)
+    monkeypatch.delenv("ENGINEPROFILES_REEXEC", raising=False)
+    r = cli.invoke(app, [engine, *args, "-o", str(tmp_path)])
+    _refused(r, word)
+    assert "not installed" not in r.output
+
+
+def test_cuda_without_a_cuda_device_is_an_error_line(tmp_path, monkeypatch):
+    import torch
+
+    called = _no_probe(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _refused(cli.invoke(app, ["transformers", "--quick", "--device", "cuda", "-o", str(tmp_path)]), "CUDA")
+    assert not called
+
+
+def test_env_pointing_at_a_file_that_is_not_executable_is_an_error_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(probe_runner, "engine_importable", lambda e: False)
+    monkeypatch.delenv("ENGINEPROFILES_REEXEC", raising=False)
+    py = tmp_path / "python"
+    py.write_text("not a program\n")
+    os.chmod(py, 0o644)
+    _refused(cli.invoke(app, ["vllm", "--op-level", "--env", str(py), "-o", str(tmp_path)]), "not executable")
+    _refused(cli.invoke(app, ["vllm", "--env", str(py), "-o", str(tmp_path)]), "not executable")  # in situ
+
+
+def test_env_pointing_at_a_program_that_fails_silently_is_an_error_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(probe_runner, "engine_importable", lambda e: False)
+    monkeypatch.delenv("ENGINEPROFILES_REEXEC", raising=False)
+    false = "/bin/false" if os.path.exists("/bin/false") else "/usr/bin/false"
+    _refused(cli.invoke(app, ["vllm", "--op-level", "--env", false, "-o", str(tmp_path)]), false, "status 1")
+    _refused(cli.invoke(app, ["vllm", "--env", false, "-o", str(tmp_path)]), false, "exit 1")  # in situ

@@ -1,6 +1,8 @@
 """In-situ fit and mismatch report, with a trainer-side stand-in for the engine (the real engine
 runs in tests/engines)."""
 
+import os
+
 import pytest
 import torch
 
@@ -95,3 +97,36 @@ def test_an_in_situ_profile_records_the_machine_the_engine_ran_on(model, planted
     assert prof.engine.settings["cpu_capability"] == "TEST_ISA" != target.engine.settings["cpu_capability"]
     assert prof.engine.torch_version == "9.9.9+test"
     assert prof.engine.settings["in_situ_family"] == "qwen2" and prof.provenance.method == "in-situ"
+
+
+def test_a_capture_is_loaded_without_running_code_from_the_file(tmp_path):
+    from engineloop.mismatch import CaptureError, load_capture
+
+    marker = tmp_path / "code-ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    f = tmp_path / "evil.pt"
+    torch.save({"engine": Evil(), "sequences": []}, f)
+    with pytest.raises(CaptureError, match="weights_only"):
+        run_mismatch("vllm", family="qwen2", capture_file=str(f))
+    assert not marker.exists()
+    with pytest.raises(CaptureError, match="does not exist"):
+        load_capture(tmp_path / "absent.pt")
+
+
+def test_a_capture_without_what_the_fit_needs_or_with_a_path_for_a_version_is_refused(model, tmp_path):
+    from engineloop.mismatch import CaptureError, load_capture
+
+    cap = capture_from_trainer(model, None, prompts=1)
+    f = tmp_path / "cap.pt"
+    torch.save(dict(cap, engine=dict(cap["engine"], version="../../etc/x")), f)
+    with pytest.raises(CaptureError, match="engine.version must be a plain name"):
+        load_capture(f)
+    torch.save(dict(cap, sequences=[{"prompt": [1]}]), f)
+    with pytest.raises(CaptureError, match="sequence 0 lacks completion"):
+        load_capture(f)
+    torch.save(cap, f)
+    assert load_capture(f)["engine"] == cap["engine"]

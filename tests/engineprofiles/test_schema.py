@@ -1,9 +1,10 @@
 import os
+from pathlib import Path
 
 import pytest
 import yaml
 
-from engineprofiles.errors import ProfileError
+from engineprofiles.errors import OutputNotWritable, ProfileError
 from engineprofiles.regions import REGIONS
 from engineprofiles.schema import load_profile, profile_from_yaml, write_atomic
 
@@ -145,3 +146,255 @@ def test_write_atomic_leaves_no_partial_file_on_failure(tmp_path, monkeypatch):
         write_atomic(target, "new\n")
     assert target.read_text() == "old\n"
     assert [p.name for p in tmp_path.iterdir()] == ["out.yaml"]
+
+
+# -- hostile input (issue 17) ------------------------------------------------------------------
+
+SHIPPED = sorted((Path(__file__).resolve().parents[2] / "profiles").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_profile_passes_the_constraints_and_round_trips_to_the_same_bytes(path):
+    text = path.read_text(encoding="utf-8")
+    p = load_profile(path)
+    assert p.to_yaml() == text
+    assert p.canonical_name == path.stem
+
+
+def test_there_are_shipped_profiles_to_check():
+    assert len(SHIPPED) >= 5
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00binary\x00\x80", "engine: caf\xe9\n".encode("latin-1")],
+                         ids=["binary", "latin-1"])
+def test_a_binary_or_non_utf8_file_is_a_profile_error_naming_the_file(tmp_path, content):
+    path = tmp_path / "bin.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ProfileError) as e:
+        load_profile(path)
+    msg = str(e.value)
+    assert str(path) in msg and "UTF-8" in msg
+
+
+def test_control_characters_are_a_profile_error(tmp_path):
+    path = tmp_path / "ctl.yaml"
+    path.write_bytes(b"schema_version: 1\nengine: \x07\x01\n")
+    with pytest.raises(ProfileError, match=str(path)):
+        load_profile(path)
+
+
+def _alias_bomb(depth: int, width: int = 9) -> str:
+    """A small YAML whose engine.device expands to width**depth strings."""
+    lines = ['a0: &a0 ["' + "x" * 40 + '"]']
+    for i in range(1, depth + 1):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("depth", [6, 12])
+def test_an_alias_bomb_in_a_string_field_is_refused_quickly_with_a_short_message(profile_file, depth):
+    import time
+
+    text = profile_file.read_text()
+    bomb = _alias_bomb(depth)
+    text = bomb + text.replace("  device: test-cpu", f"  device: *a{depth}")
+    t0 = time.perf_counter()
+    with pytest.raises(ProfileError) as e:
+        profile_from_yaml(text, "bomb.yaml")
+    assert time.perf_counter() - t0 < 2.0
+    msg = str(e.value)
+    assert len(msg) < 1000 and "bomb.yaml" in msg and "alias" in msg
+
+
+def test_a_few_aliases_are_still_read(profile_file):
+    # YAML anchors are legal; only expansion beyond a small limit is refused.
+    text = profile_file.read_text().replace("  device: test-cpu", "  device: &d test-cpu", 1)
+    text = text.replace("  torch_version: 2.13.0", "  torch_version: 2.13.0", 1)
+    p = profile_from_yaml(text)
+    assert p.engine.device == "test-cpu"
+
+
+def test_deep_nesting_is_a_profile_error(tmp_path):
+    with pytest.raises(ProfileError, match="deep"):
+        profile_from_yaml("engine: " + "[" * 5000 + "]" * 5000 + "\n", "deep.yaml")
+
+
+def test_an_error_echoes_a_bounded_amount_of_the_bad_value(profile_file, tmp_path):
+    path = _mutate(profile_file, tmp_path, lambda d: d["engine"].__setitem__("device", ["y" * 10_000] * 20))
+    with pytest.raises(ProfileError) as e:
+        load_profile(path)
+    assert "engine.device" in str(e.value) and len(str(e.value)) < 1000
+    path = _mutate(profile_file, tmp_path, lambda d: d.__setitem__("schema_version", "z" * 10_000))
+    with pytest.raises(ProfileError) as e:
+        load_profile(path)
+    assert "schema_version" in str(e.value) and len(str(e.value)) < 1000
+
+
+def test_a_duplicate_key_is_refused_naming_the_key_and_both_lines(profile_file, tmp_path):
+    text = profile_file.read_text()
+    first = text.splitlines().index("dtype: bfloat16") + 1
+    path = tmp_path / "dup.yaml"
+    path.write_text(text + "dtype: float16\n")
+    last = len(path.read_text().splitlines())
+    with pytest.raises(ProfileError) as e:
+        load_profile(path)
+    msg = str(e.value)
+    assert str(path) in msg and "duplicate key 'dtype'" in msg and f"line {first}" in msg and f"line {last}" in msg
+
+
+def test_a_duplicate_key_in_a_nested_mapping_is_refused(profile_file, tmp_path):
+    text = profile_file.read_text().replace("  device: test-cpu\n", "  device: test-cpu\n  device: other\n", 1)
+    with pytest.raises(ProfileError, match="duplicate key 'device'"):
+        profile_from_yaml(text)
+
+
+@pytest.mark.parametrize(
+    "where, value",
+    [
+        (("regions", "rope", "evidence", "match_rate"), 7.5),
+        (("regions", "rope", "evidence", "match_rate"), -1.0),
+        (("regions", "rope", "evidence", "match_rate"), float("nan")),
+        (("regions", "rope", "evidence", "runner_up_match_rate"), 1.5),
+        (("regions", "rope", "evidence", "max_ulp"), -3),
+        (("regions", "rope", "evidence", "elements"), -1),
+        (("provenance", "date"), "not a date"),
+        (("provenance", "date"), "2026-13-45T00:00:00Z"),
+        (("provenance", "duration_s"), -2.0),
+        (("engine", "name"), "../../etc/evil"),
+        (("engine", "name"), ""),
+        (("engine", "name"), ".hidden"),
+        (("engine", "version"), "1/../../x"),
+        (("engine", "execution_mode"), "eager/../../x"),
+    ],
+)
+def test_out_of_range_or_unsafe_values_are_refused_naming_the_field(profile_file, tmp_path, where, value):
+    def set_(d):
+        for k in where[:-1]:
+            d = d[k]
+        d[where[-1]] = value
+
+    path = _mutate(profile_file, tmp_path, set_)
+    with pytest.raises(ProfileError, match=".".join(where)):
+        load_profile(path)
+
+
+def test_a_per_shape_match_rate_out_of_range_is_refused(profile_file, tmp_path):
+    path = _mutate(profile_file, tmp_path, lambda d: d["regions"]["rope"]["evidence"].__setitem__(
+        "per_shape", [{"shape": "s", "winner": "w", "match_rate": 2.0}]))
+    with pytest.raises(ProfileError, match="per_shape"):
+        load_profile(path)
+
+
+# -- writing --------------------------------------------------------------------------------------
+
+
+def test_write_atomic_refuses_a_fifo_and_leaves_it_a_fifo(tmp_path):
+    import stat
+
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    with pytest.raises(OutputNotWritable, match="not a regular file"):
+        write_atomic(fifo, "x\n")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+@pytest.mark.parametrize("dev", ["/dev/null", "/dev/full"])
+def test_write_atomic_refuses_a_device_and_leaves_it_a_device(dev):
+    import stat
+
+    if not os.path.exists(dev):
+        pytest.fail(f"{dev} is missing on this machine")
+    before = os.lstat(dev)
+    with pytest.raises(OutputNotWritable, match="not a regular file"):
+        write_atomic(Path(dev), "x\n")
+    after = os.lstat(dev)
+    assert stat.S_ISCHR(after.st_mode) and after.st_rdev == before.st_rdev and after.st_mode == before.st_mode
+
+
+def test_write_atomic_refuses_a_folder(tmp_path):
+    (tmp_path / "d").mkdir()
+    with pytest.raises(OutputNotWritable):
+        write_atomic(tmp_path / "d", "x\n")
+    assert (tmp_path / "d").is_dir()
+
+
+def test_write_atomic_writes_through_a_symlink_and_keeps_it(tmp_path):
+    real = tmp_path / "real.yaml"
+    real.write_text("old\n")
+    link = tmp_path / "link.yaml"
+    link.symlink_to(real)
+    write_atomic(link, "new\n")
+    assert link.is_symlink() and real.read_text() == "new\n"
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_write_atomic_keeps_the_mode_of_the_file_it_replaces(tmp_path, mode):
+    target = tmp_path / "out.yaml"
+    target.write_text("old\n")
+    os.chmod(target, mode)
+    write_atomic(target, "new\n")
+    assert target.read_text() == "new\n"
+    assert os.stat(target).st_mode & 0o7777 == mode
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_write_atomic_honours_the_umask_for_a_new_file(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        write_atomic(tmp_path / "new.yaml", "x\n")
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "new.yaml").st_mode & 0o777 == 0o666 & ~umask
+
+
+def _writer_blocked_in_the_write(tmp_path, disposition: str, sleep_s: float):
+    """A child process stopped inside write_atomic (in fsync, with the temporary file written),
+    with SIGTERM/SIGHUP set to ``disposition`` ("default" or "ignore") as a shell would leave them."""
+    import subprocess
+    import sys
+    import time
+
+    target = tmp_path / "out.yaml"
+    target.write_text("old\n")
+    ready = tmp_path / "ready"
+    code = f"""
+import os, signal, time
+from pathlib import Path
+import engineprofiles.schema as s
+for sig in (signal.SIGTERM, signal.SIGHUP):  # as the shell left them, whatever this test runs under (nohup)
+    signal.signal(sig, signal.SIG_DFL if {disposition!r} == "default" else signal.SIG_IGN)
+def slow(fd):
+    Path({str(ready)!r}).write_text("1")
+    time.sleep({sleep_s})
+os.fsync = slow
+s.write_atomic(Path({str(target)!r}), "new\\n")
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    t0 = time.time()
+    while not ready.exists() and time.time() - t0 < 60 and proc.poll() is None:
+        time.sleep(0.05)
+    assert ready.exists(), "the writer never reached the write"
+    return proc, target
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_signal_during_the_write_leaves_no_temporary_file(tmp_path, sig):
+    import signal
+
+    proc, target = _writer_blocked_in_the_write(tmp_path, "default", 30)
+    proc.send_signal(getattr(signal, sig))
+    rc = proc.wait(timeout=30)
+    assert rc == -getattr(signal, sig)  # it still ends by the signal
+    assert target.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.yaml", "ready"]
+
+
+def test_an_ignored_sighup_during_the_write_stays_ignored(tmp_path):
+    import signal
+
+    proc, target = _writer_blocked_in_the_write(tmp_path, "ignore", 1)
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=30) == 0
+    assert target.read_text() == "new\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.yaml", "ready"]

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
+from ...names import ENGINE_MODES, check_mode_name
 from ..base import Adapter, EngineInfo, EngineNotInstalled, RegionImpl, Unavailable
 
-MODES = ("default", "compiled")
+MODES = ENGINE_MODES["sglang"]
 INSTALL_HINT = "scripts/engine_env.sh sglang 0.5.23"
 
 
@@ -38,8 +39,7 @@ class SglangAdapter(Adapter):
     modes = MODES
 
     def __init__(self, mode: str = "default", dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
-        if mode not in MODES:
-            raise ValueError(f"sglang mode must be one of {', '.join(MODES)}; got {mode!r}")
+        check_mode_name("sglang", mode)
         if device != "cpu" and os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
             os.environ["SGLANG_USE_CPU_ENGINE"] = "0"
         self.sglang = _import_sglang()

@@ -20,9 +20,10 @@ from typing import Any, Iterator
 
 import torch
 
+from ...names import ENGINE_MODES, FAMILY_NAMES, check_family_name, check_mode_name
 from ..base import Adapter, EngineInfo, EngineNotInstalled, RegionImpl, Unavailable
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = FAMILY_NAMES
 CAPTURE = "engineprofiles_capture"
 
 
@@ -35,8 +36,7 @@ def _import():
 
 
 def family_classes(family: str):
-    if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; supported: {', '.join(FAMILIES)}")
+    check_family_name(family)
     if family == "qwen2":
         from transformers import Qwen2Config as C
         from transformers.models.qwen2 import modeling_qwen2 as m
@@ -119,12 +119,11 @@ def find_decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 class TransformersAdapter(Adapter):
     name = "transformers"
-    modes = ("default",)
+    modes = ENGINE_MODES["transformers"]
 
     def __init__(self, mode: str = "default", dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                  family: str | None = None, model: torch.nn.Module | None = None, label: str | None = None):
-        if mode not in self.modes:
-            raise ValueError(f"transformers mode must be one of {', '.join(self.modes)}; got {mode!r}")
+        check_mode_name("transformers", mode)
         self.tf = _import()
         _register_capture()
         self.dtype, self.device, self.model, self.label = dtype, device, model, label

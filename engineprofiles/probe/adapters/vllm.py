@@ -18,9 +18,10 @@ from typing import Any, Callable
 
 import torch
 
+from ...names import ENGINE_MODES, check_mode_name
 from ..base import Adapter, EngineInfo, EngineNotInstalled, RegionImpl, Unavailable
 
-MODES = ("default", "compiled", "eager")
+MODES = ENGINE_MODES["vllm"]
 INSTALL_HINT = "scripts/engine_env.sh vllm 0.32.0"
 
 
@@ -41,8 +42,7 @@ class VllmAdapter(Adapter):
     modes = MODES
 
     def __init__(self, mode: str = "default", dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
-        if mode not in MODES:
-            raise ValueError(f"vllm mode must be one of {', '.join(MODES)}; got {mode!r}")
+        check_mode_name("vllm", mode)
         self.vllm = _import_vllm()
         from vllm.config import CompilationConfig, VllmConfig
         from vllm.config.compilation import CompilationMode
