@@ -17,6 +17,11 @@ Backends (which implementation runs):
     The torch references of :mod:`engineprofiles.regions` with ``math="torch"``: exp, sigmoid,
     silu, rsqrt and the mean are torch's own ops on the tensor's device. On CPU this is what HF
     transformers and torch-based engines compute, so it is the CPU default.
+``reference-inductor``
+    ``reference`` with the residual RMSNorm's forward compiled by torch.compile (Inductor), so its
+    FP32 reduction runs in Inductor's order: what an engine that compiles the model with Inductor
+    (vLLM's CPU build) computes. Exact mode uses it for such profiles on CPU. The other regions
+    have no reduction and run as ``reference``.
 ``reference-portable``
     The references with ``math="portable"`` (see :mod:`engineprofiles.portable`): a fixed
     sequence of correctly rounded FP32 operations. The Triton kernels implement exactly this, so
@@ -55,7 +60,7 @@ from .ops.swiglu import SwiGLUFunction
 
 ProfileLike = Union[Profile, str, os.PathLike, Point]
 
-BACKENDS = ("auto", "triton", "reference", "reference-portable")
+BACKENDS = ("auto", "triton", "reference", "reference-portable", "reference-inductor")
 ENV_VAR = "EMULATOR_BACKEND"
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("emulator_backend", default=None)
 
@@ -89,8 +94,8 @@ def current_backend() -> str:
     return _check_backend_name(os.environ.get(ENV_VAR) or "auto", f"${ENV_VAR}")
 
 
-def _backend_for(device: torch.device) -> str:
-    name = current_backend()
+def _backend_for(device: torch.device, override: str | None = None) -> str:
+    name = _check_backend_name(override, "backend=") if override is not None else current_backend()
     if name == "auto":
         return "triton" if device.type == "cuda" else "reference"
     if name == "triton" and device.type != "cuda" and not _utils.interpreted(_rope_fwd_kernel):
@@ -273,20 +278,21 @@ def _check_norm(op: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> N
 
 
 def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, profile: ProfileLike, *, dtype: torch.dtype | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, profile: ProfileLike, *, dtype: torch.dtype | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """RMSNorm without a residual add at the profile's ``rmsnorm`` point.
 
     x: [*lead, hidden] in the activation dtype (or FP32 with ``dtype``); weight: [hidden], any
     float dtype. Returns the activation dtype, or FP32 when the profile's ``output`` site is fp32
     (the value is handed on unrounded to a fused next region, e.g. a q/k norm into RoPE).
-    Gradients flow to x and weight.
+    Gradients flow to x and weight. ``backend``: this call's backend (default: :func:`current_backend`).
     """
     op = "rmsnorm"
     _check_float(op, x=x, weight=weight)
     _check_norm(op, x, weight, eps)
     point, act = _point_and_dtype(profile, "rmsnorm", op, x, dtype)
-    y = RMSNormFunction.apply(_rows(x), weight.contiguous(), float(eps), point, act, _backend_for(x.device))
+    y = RMSNormFunction.apply(_rows(x), weight.contiguous(), float(eps), point, act, _backend_for(x.device, backend))
     return y.reshape(x.shape)
 
 
@@ -298,6 +304,7 @@ def add_rmsnorm(
     profile: ProfileLike,
     *,
     dtype: torch.dtype | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add fused into RMSNorm at the profile's ``add_rmsnorm`` point.
 
@@ -305,7 +312,8 @@ def add_rmsnorm(
     activation dtype; residual: same shape, activation dtype or FP32 (an FP32 residual stream);
     weight: [hidden]. The output is in the activation dtype; the residual passed on is in the
     activation dtype or FP32, as the profile's ``residual_out`` site says. Gradients flow to x,
-    residual and weight (d x = d residual = the gradient of s).
+    residual and weight (d x = d residual = the gradient of s). ``backend``: this call's backend
+    (default: :func:`current_backend`).
     """
     op = "add_rmsnorm"
     _check_float(op, x=x, residual=residual, weight=weight)
@@ -314,7 +322,7 @@ def add_rmsnorm(
         raise InputError(f"add_rmsnorm: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
     point, act = _point_and_dtype(profile, "add_rmsnorm", op, x, dtype)
     out, res = AddRMSNormFunction.apply(
-        _rows(x), _rows(residual), weight.contiguous(), float(eps), point, act, _backend_for(x.device)
+        _rows(x), _rows(residual), weight.contiguous(), float(eps), point, act, _backend_for(x.device, backend)
     )
     return out.reshape(x.shape), res.reshape(x.shape)
 

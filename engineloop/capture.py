@@ -130,7 +130,7 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
         _log(f"sequence {j + 1}/{len(prompts)}: {len(prompt)} prompt + {len(completion)} sampled tokens")
     cfg = llm.llm_engine.vllm_config.compilation_config
     return dict(
-        engine=dict(name="vllm", version=vllm.__version__, torch_version=torch.__version__,
+        engine=dict(name="vllm", version=str(vllm.__version__), torch_version=str(torch.__version__),
                     compilation_mode=str(getattr(cfg.mode, "name", cfg.mode)), mode=mode,
                     cpu_capability=torch.backends.cpu.get_cpu_capability(),
                     attention=dict(state["backend"], torch_threads=torch.get_num_threads(),

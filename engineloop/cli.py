@@ -357,9 +357,11 @@ def _patched_adapter(family: Optional[str], profile: str, dt, device: str):
     return TransformersAdapter(dtype=dt, device=device, model=model, label=prof.canonical_name)
 
 
-def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Optional[str], capture: Optional[str],
-             prompts: int, print_yaml: bool, mode: str = "default", dtype: str = "bfloat16", device: str = "cpu",
-             ship: bool = False) -> None:
+def _in_situ(engine: str, families: list[str], output: Optional[str], seed: int, env: Optional[str],
+             captures: list[str], prompts: int, print_yaml: bool, mode: str = "default", dtype: str = "bfloat16",
+             device: str = "cpu", ship: bool = False) -> None:
+    """Run the engine on a tiny model of each family (or take the captures given, one per family,
+    in order) and fit one profile to all of them."""
     import sys
     import tempfile
     import time
@@ -368,7 +370,7 @@ def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Op
     from engineprofiles.models import tiny_model
 
     from . import runner, tables
-    from .fit import fit_attention_in_situ, fit_profile, in_situ_profile
+    from .fit import fit_attention_in_situ, fit_profiles, in_situ_profile
     from .mismatch import load_capture, run_capture
 
     t0 = time.perf_counter()
@@ -384,17 +386,31 @@ def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Op
             )
         if mode not in ("default", "compiled", "eager"):
             raise EngineProfilesError(f"--mode must be default, compiled or eager for vllm; got {mode!r}")
+        if captures and len(captures) != len(families):
+            raise EngineProfilesError(f"{len(captures)} --capture file(s) for {len(families)} --family: give one "
+                                      "capture per family, in the same order")
         target, is_dir = runner.output_path(output, ship)
-        if capture:
-            cap = load_capture(capture)
-        model = tiny_model(family, seed=seed).eval()
-        with tempfile.TemporaryDirectory() as tmp:
-            if not capture:
-                model.save_pretrained(Path(tmp) / "model")
-                cap = run_capture(engine, Path(tmp) / "model", Path(tmp) / "cap.pt", prompts=prompts, max_tokens=16,
-                                  seed=seed, env=env, note=note, mode="eager" if mode == "eager" else "default")
+        caps = [load_capture(c) for c in captures]
+        pairs = []
+        for i, family in enumerate(families):
+            cap = caps[i] if caps else None
+            if cap is not None and cap.get("family", family) != family:
+                raise EngineProfilesError(f"{captures[i]} was captured on a {cap['family']} model, not {family}")
+            model = tiny_model(family, seed=seed, **((cap or {}).get("model_size") or {})).eval()
+            if cap is None:
+                with tempfile.TemporaryDirectory() as tmp:
+                    model.save_pretrained(Path(tmp) / "model")
+                    cap = run_capture(engine, Path(tmp) / "model", Path(tmp) / "cap.pt", prompts=prompts,
+                                      max_tokens=16, seed=seed, env=env, note=note,
+                                      mode="eager" if mode == "eager" else "default")
+            pairs.append((family, model, cap))
+        cap = pairs[0][2]
         version = cap["engine"]["version"]
         cap_mode = cap["engine"].get("mode", "default")
+        for family, _, c in pairs[1:]:
+            if (c["engine"]["version"], c["engine"].get("mode", "default")) != (version, cap_mode):
+                raise EngineProfilesError(f"the {family} capture comes from {c['engine']['name']} {c['engine']['version']} "
+                                          f"({c['engine'].get('mode')}), the first from {version} ({cap_mode})")
         start_name = f"{engine}-{version}-cpu-{'eager' if cap_mode == 'eager' else 'inductor'}-bfloat16"
         try:
             start = store.get_profile(start_name)
@@ -403,13 +419,14 @@ def _in_situ(engine: str, family: str, output: Optional[str], seed: int, env: Op
                 f"the in-situ fit starts from the op-level profile {start_name}; make it first with "
                 f"`scripts/probe.sh {engine} {version} --op-level --ship`"
             ) from None
-        note(f"fitting in situ from {start_name} ({len(cap['sequences'])} sequences)")
-        fit = fit_profile(model, cap, start, note=note)
-        att_fit = fit_attention_in_situ(cap, start, note=note)
+        n = sum(len(c["sequences"]) for _, _, c in pairs)
+        note(f"fitting in situ from {start_name} ({n} sequences of {', '.join(families)})")
+        fit = fit_profiles(pairs, start, note=note)
+        att_fit = fit_attention_in_situ([c for _, _, c in pairs], start, note=note)
         import shlex
 
         cmd = os.environ.get("ENGINEPROFILES_COMMAND") or shlex.join(["probe-engine", *sys.argv[1:]])
-        profile = in_situ_profile(fit, start, cap, family, cmd, attention_fit=att_fit)
+        profile = in_situ_profile(fit, start, [c for _, _, c in pairs], families, cmd, attention_fit=att_fit)
     except EngineProfilesError as e:
         _fail(e)
     _emit(profile, output, target, is_dir, print_yaml, extra=tables.in_situ_table(fit))
@@ -435,12 +452,15 @@ def _engine_command(engine: str):
             "(the default for vLLM's compiled mode on CPU, where fusion spans layers); op-level: probe each "
             "region's own code (the default elsewhere, and the start of the in-situ fit)",
         ),
-        family: str = typer.Option("qwen2", help="in situ: tiny model family (qwen2, qwen3, llama)"),
-        capture: Optional[str] = typer.Option(None, help="in situ: reuse a capture file"),
+        family: Optional[list[str]] = typer.Option(
+            None, help="in situ: tiny model family (qwen2, qwen3, llama), repeatable: one profile is fitted to all; "
+            "default qwen3 (its q/k norms exercise every site)"),
+        capture: Optional[list[str]] = typer.Option(None, help="in situ: reuse capture files (one per --family, in order)"),
         prompts: int = typer.Option(4, help="in situ: number of sequences"),
     ) -> None:
         try:
-            _check_arguments(engine, device, dtype, mode, family, region)
+            for f in family or ["qwen3"]:
+                _check_arguments(engine, device, dtype, mode, f, region)
         except EngineProfilesError as e:
             _fail(e)
         if in_situ is None:
@@ -448,10 +468,13 @@ def _engine_command(engine: str):
                 and region is None and not quick
         elif in_situ and (quick or region):
             _fail(EngineProfilesError("--quick and --region are op-level options; the in-situ fit covers every region"))
+        if not in_situ and (family or capture):
+            _fail(EngineProfilesError("--family and --capture are in-situ options; add --in-situ (or leave them out)"))
         if in_situ:
             if engine != "vllm":
                 _fail(EngineProfilesError("--in-situ is implemented for vllm (SGLang's CPU engine runs eagerly)"))
-            _in_situ(engine, family, output, seed, env, capture, prompts, print_yaml, mode, dtype, device, ship)
+            _in_situ(engine, list(family or ["qwen3"]), output, seed, env, list(capture or []), prompts, print_yaml, mode,
+                     dtype, device, ship)
             return
         _probe(engine, device, dtype, mode, output, seed, quick, region, env, print_yaml, ship=ship)
 

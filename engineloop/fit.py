@@ -114,6 +114,19 @@ def compare(model, capture: dict[str, Any], label: str) -> FitResult:
     return res
 
 
+def compare_pairs(pairs: list[tuple[str, Any, dict[str, Any]]], label: str) -> FitResult:
+    """:func:`compare` over several (family, model, capture) pairs; the tensors of each family are
+    named ``family:L0.q`` ... when there is more than one."""
+    if len(pairs) == 1:
+        _, model, cap = pairs[0]
+        return compare(model, cap, label)
+    res = FitResult(label)
+    for family, model, cap in pairs:
+        for k, v in compare(model, cap, label).layers.items():
+            res.layers[f"{family}:{k}"] = v
+    return res
+
+
 FIT_ORDER = ("rmsnorm", "rope", "add_rmsnorm", "swiglu")
 
 
@@ -127,10 +140,18 @@ class Fit:
 
 def fit_profile(model, capture: dict[str, Any], start: "Profile", note=lambda m: None,  # noqa: F821
                 regions: tuple[str, ...] = FIT_ORDER, passes: int = 2) -> Fit:
+    """:func:`fit_profiles` of one model and its capture."""
+    return fit_profiles([("", model, capture)], start, note=note, regions=regions, passes=passes)
+
+
+def fit_profiles(pairs: list[tuple[str, Any, dict[str, Any]]], start: "Profile", note=lambda m: None,  # noqa: F821
+                 regions: tuple[str, ...] = FIT_ORDER, passes: int = 2) -> Fit:
     """Coordinate search over the lattice, starting from ``start`` (the op-level profile): for each
     region in turn, every canonical point with the other regions fixed; keep the point whose
-    teacher-forced trainer matches the engine's tensors on the most elements (ties keep the current
-    point). Two passes, or until nothing changes."""
+    teacher-forced trainer matches the engine's tensors on the most elements, summed over every
+    (family, model, capture) pair (ties keep the current point). Two passes, or until nothing
+    changes. Fitting several families at once keeps one profile true for all of them (Qwen3's q/k
+    norms exercise the plain RMSNorm's output site, which Qwen2 and Llama never hand on in FP32)."""
     from emulator.patching import apply_profile
     from engineprofiles.regions import REGIONS
     from engineprofiles.schema import make_profile
@@ -138,11 +159,12 @@ def fit_profile(model, capture: dict[str, Any], start: "Profile", note=lambda m:
     def run(points, label):
         prof = make_profile(engine=start.engine, dtype=start.dtype, points=points,
                             provenance=start.provenance.model_copy(update={"method": "synthetic"}))
-        h = apply_profile(model, prof)
+        handles = [apply_profile(m, prof) for _, m, _ in pairs]
         try:
-            return compare(model, capture, label)
+            return compare_pairs(pairs, label)
         finally:
-            h.remove()
+            for h in handles:
+                h.remove()
 
     current = {n: start.point(n) for n in REGIONS}
     start_res = run(current, "start")
@@ -171,12 +193,14 @@ def fit_profile(model, capture: dict[str, Any], start: "Profile", note=lambda m:
     return Fit(current, best, candidates, start_res)
 
 
-def fit_attention_in_situ(capture: dict[str, Any], start: "Profile", note=lambda m: None):  # noqa: F821
-    """The attention lattice fitted to the engine's own attention calls in the capture (prefill and
+def fit_attention_in_situ(capture: dict[str, Any] | list[dict[str, Any]], start: "Profile",  # noqa: F821
+                          note=lambda m: None):
+    """The attention lattice fitted to the engine's own attention calls in the capture(s) (prefill and
     decode), starting from the op-level profile's attention where it has one."""
     from engineprofiles.probe.attention import START, fit_attention
 
-    samples = attention_samples(capture)
+    caps = capture if isinstance(capture, list) else [capture]
+    samples = [s for c in caps for s in attention_samples(c)]
     if not samples:
         return None
     begin = start.point("attention") if start.available("attention") else START
@@ -184,13 +208,24 @@ def fit_attention_in_situ(capture: dict[str, Any], start: "Profile", note=lambda
     return fit_attention(samples, start=begin, note=note)
 
 
-def attention_evidence(att_fit, capture: dict[str, Any], family: str) -> dict[str, Any]:
-    eng = capture["engine"]
+def _captures(capture: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return capture if isinstance(capture, list) else [capture]
+
+
+def _families(family: str | list[str]) -> str:
+    fams = [family] if isinstance(family, str) else list(family)
+    return fams[0] if len(fams) == 1 else ", ".join(fams[:-1]) + " and " + fams[-1]
+
+
+def attention_evidence(att_fit, capture: dict[str, Any] | list[dict[str, Any]], family: str | list[str]) -> dict[str, Any]:
+    caps = _captures(capture)
+    eng = caps[0]["engine"]
     b = eng.get("attention", {})
     path = (f"{eng['name']} {eng['version']} {b.get('backend', '?')} ({b.get('impl', '?')}, isa {b.get('isa', '?')}, "
             f"block size {b.get('block_size', '?')}), in the running engine")
-    n_tok = sum(len(s["prompt"]) + len(s["completion"]) for s in capture["sequences"])
-    notes = [f"in situ on a tiny {family} model: {len(capture['sequences'])} sequences, {n_tok} tokens; every "
+    n_seq = sum(len(c["sequences"]) for c in caps)
+    n_tok = sum(len(s["prompt"]) + len(s["completion"]) for c in caps for s in c["sequences"])
+    notes = [f"in situ on tiny {_families(family)} models: {n_seq} sequences, {n_tok} tokens; every "
              "attention call of the sampling (prompt prefill, one call per decoded token) and of the re-scoring "
              "prefill, compared bitwise with the reference at each point",
              f"engine threads {b.get('torch_threads', '?')}, split-KV {b.get('split_kv', '?')}: the kernel's "
@@ -198,16 +233,19 @@ def attention_evidence(att_fit, capture: dict[str, Any], family: str) -> dict[st
     return att_fit.evidence(path, notes=notes)
 
 
-def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any], family: str, command: str,  # noqa: F821
-                    attention_fit: Any = None) -> "Profile":  # noqa: F821
+def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[dict[str, Any]],  # noqa: F821
+                    family: str | list[str], command: str, attention_fit: Any = None) -> "Profile":  # noqa: F821
     import datetime as _dt
 
     from engineprofiles import PROBE_VERSION, __version__
     from engineprofiles.regions import REGIONS
     from engineprofiles.schema import make_profile
 
-    n_seq = len(capture["sequences"])
-    n_tok = sum(len(s["prompt"]) + len(s["completion"]) for s in capture["sequences"])
+    caps = _captures(capture)
+    fams = [family] if isinstance(family, str) else list(family)
+    n_seq = sum(len(c["sequences"]) for c in caps)
+    n_tok = sum(len(s["prompt"]) + len(s["completion"]) for c in caps for s in c["sequences"])
+    first = caps[0]["engine"]
     evidence = {}
     for region in REGIONS:
         spec = REGIONS[region]
@@ -218,19 +256,20 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any], family:
                         key=lambda x: -x[0])
         tied = [p.label() for m, p in others if m == total.matched]
         op = start.point(region)
-        notes = [f"in situ on a tiny {family} model: {n_seq} sequences, {n_tok} tokens, teacher-forced with the "
-                 f"engine's attention outputs; compared: q and k entering attention at every layer"
-                 + (" and the final hidden states" if "hidden" in fit.best.layers else "")]
+        notes = [f"in situ on tiny {_families(fams)} models: {n_seq} sequences, {n_tok} tokens, teacher-forced with "
+                 f"the engine's attention outputs; compared: q and k entering attention at every layer"
+                 + (" and the final hidden states" if any(k.endswith("hidden") for k in fit.best.layers) else ""),
+                 "match_rate and elements are of the whole model (every captured tensor) under the fitted profile: "
+                 "the regions are fitted jointly; per_shape gives each tensor's rate"]
         if spec.site_part(op) != spec.site_part(win):
             notes.append(f"op-level probe said {op.label()}; in situ wins")
         evidence[region] = dict(
-            path=f"{capture['engine']['name']} {capture['engine']['version']} whole model "
-                 f"({capture['engine'].get('compilation_mode', '')}), captured in situ",
+            path=f"{first['name']} {first['version']} whole model ({first.get('compilation_mode', '')}), captured in situ",
             match_rate=total.rate,
             runner_up=others[0][1].label() if others else None,
             runner_up_match_rate=(others[0][0] / total.total) if others else None,
             elements=total.total,
-            shapes=[f"{family}: {k}" for k in fit.best.layers],
+            shapes=[k if len(fams) > 1 else f"{fams[0]}: {k}" for k in fit.best.layers],
             ambiguous=bool(tied),
             tied_with=tied,
             per_shape=[dict(shape=k, winner=win.label(), match_rate=v.rate) for k, v in fit.best.layers.items()],
@@ -239,8 +278,8 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any], family:
     # The engine description is the op-level start's, except what the capture itself measured on:
     # the evidence belongs to the machine and torch the engine ran on, not the start's.
     settings = dict(start.engine.settings)
-    settings["in_situ_family"] = family
-    eng = capture["engine"]
+    settings["in_situ_family"] = fams[0] if len(fams) == 1 else fams
+    eng = first
     if eng.get("cpu_capability") is not None:
         settings["cpu_capability"] = eng["cpu_capability"]
     update: dict[str, Any] = {"settings": settings}
@@ -261,7 +300,7 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any], family:
         provenance=dict(
             date=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
             probe_version=PROBE_VERSION, package_version=__version__, method="in-situ", command=command,
-            seed=capture.get("seed"),
+            seed=caps[0].get("seed"),
         ),
     )
 

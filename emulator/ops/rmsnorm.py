@@ -321,18 +321,43 @@ def _math(backend: str) -> str:
     return "portable" if backend == "reference-portable" else "torch"
 
 
+_COMPILED: dict[str, object] = {}
+
+
+def _ref(fn, backend: str):
+    """The reference ``fn``, or for backend ``reference-inductor`` the same reference compiled by
+    torch.compile (Inductor, dynamic shapes): its FP32 reductions (the mean of squares) then run in
+    the order Inductor's generated code sums them, which is what an engine that compiles the model
+    with Inductor computes (measured in situ against vLLM's CPU build: docs/mismatch.md)."""
+    if backend != "reference-inductor":
+        return fn
+    if fn.__name__ not in _COMPILED:
+        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True, fullgraph=True)
+    compiled = _COMPILED[fn.__name__]
+
+    def run(*args, **kwargs):
+        import torch._dynamo
+
+        # one graph per (point, eps, dtypes): more than Dynamo's default of 8 variants in a model
+        with torch._dynamo.config.patch(cache_size_limit=64, accumulated_cache_size_limit=512):
+            return compiled(*args, **kwargs)
+
+    return run
+
+
 class RMSNormFunction(torch.autograd.Function):
     """y = rmsnorm(x) * weight at ``point`` (plain form); x2 [M, N], weight [N].
 
-    ``backend``: "triton", "reference" (rmsnorm_ref with torch math, torch backward) or
-    "reference-portable" (portable math; bit-exact to the kernels, forward and backward)."""
+    ``backend``: "triton", "reference" (rmsnorm_ref with torch math, torch backward),
+    "reference-inductor" (the same, its forward compiled by Inductor) or "reference-portable"
+    (portable math; bit-exact to the kernels, forward and backward)."""
 
     @staticmethod
     def forward(ctx, x2, weight, eps: float, point: Point, act: torch.dtype, backend: str):
         if backend == "triton":
             y = rmsnorm_fwd(x2, weight, eps, point, act)
         else:
-            y = rmsnorm_ref(x2, weight, eps, point, math=_math(backend), dtype=act)
+            y = _ref(rmsnorm_ref, backend)(x2, weight, eps, point, math=_math(backend), dtype=act)
         ctx.save_for_backward(x2, weight)
         ctx.eps, ctx.backend = eps, backend
         return y
@@ -355,7 +380,7 @@ class AddRMSNormFunction(torch.autograd.Function):
         if backend == "triton":
             y, ro = add_rmsnorm_fwd(x2, r2, weight, eps, point, act)
         else:
-            y, ro = add_rmsnorm_ref(x2, r2, weight, eps, point, math=_math(backend), dtype=act)
+            y, ro = _ref(add_rmsnorm_ref, backend)(x2, r2, weight, eps, point, math=_math(backend), dtype=act)
         ctx.save_for_backward(x2, r2, weight)
         ctx.eps, ctx.backend = eps, backend
         ctx.set_materialize_grads(False)

@@ -172,9 +172,18 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
         native=tuple(r for r in REGIONS if not (emulate[r] or (r == "rope" and attention))),
     )
     handle.exact = exact
+    # Exact mode for an engine that compiled its regions with Inductor: the norms' FP32 reduction
+    # in Inductor's order (the other regions have none). On CPU, where that engine ran.
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    norm_backend = "reference-inductor" if exact and prof.engine.execution_mode == "inductor" and on_cpu else None
+    if norm_backend:
+        emulate = dict(emulate, rmsnorm=True, add_rmsnorm=True)
+        handle.emulated = tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention)) + ("attention",)
+        handle.native = tuple(r for r in handle.native if r not in ("rmsnorm", "add_rmsnorm"))
+    handle.norm_backend = norm_backend
     try:
         for d in decoders:
-            _patch_decoder(handle, d, prof, act, emulate, attention, exact_point)
+            _patch_decoder(handle, d, prof, act, emulate, attention, exact_point, norm_backend)
     except BaseException:  # pragma: no cover - a bug; leave the model as it was
         handle.remove()
         raise
@@ -182,7 +191,7 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
 
 
 def _patch_decoder(handle: PatchHandle, d: Decoder, prof: Profile, act: torch.dtype, emulate: dict[str, bool],
-                   attention: bool, exact_point: Point | None = None) -> None:
+                   attention: bool, exact_point: Point | None = None, norm_backend: str | None = None) -> None:
     c, p, layers = d.classes, d.path, d.layers
     ACTIVE[d.module] = handle
     handle._undo.append(lambda: ACTIVE.pop(d.module, None))
@@ -192,13 +201,13 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, prof: Profile, act: torch.dt
             handle._bind(f"{p}.layers.{i}.mlp", layer.mlp, fw.mlp(prof))
             guarded.append(layer.mlp)
     if emulate["rmsnorm"]:
-        handle._bind(f"{p}.layers.0.input_layernorm", layers[0].input_layernorm, fw.norm_plain(prof, act, to_act=True))
+        handle._bind(f"{p}.layers.0.input_layernorm", layers[0].input_layernorm, fw.norm_plain(prof, act, to_act=True, backend=norm_backend))
         guarded.append(layers[0].input_layernorm)
         if d.family.qk_norm:
             for i, layer in enumerate(layers):
                 for n in ("q_norm", "k_norm"):
                     mod = getattr(layer.self_attn, n)
-                    handle._bind(f"{p}.layers.{i}.self_attn.{n}", mod, fw.norm_plain(prof, act, to_act=False))
+                    handle._bind(f"{p}.layers.{i}.self_attn.{n}", mod, fw.norm_plain(prof, act, to_act=False, backend=norm_backend))
                     guarded.append(mod)
     if attention:
         handle._bind(f"{p}.rotary_emb", d.module.rotary_emb, fw.rotary(d.rope_theta, d.rotary_dim))
@@ -210,8 +219,8 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, prof: Profile, act: torch.dt
         stash = Stash()
         handle._stashes.append(stash)
         for i, layer in enumerate(layers):
-            handle._bind(f"{p}.layers.{i}", layer, fw.layer(prof, stash, layers[0], f"{p}.layers.{i}"))
-        handle._bind(f"{p}.norm", d.module.norm, fw.final_norm(prof, stash, f"{p}.norm"))
+            handle._bind(f"{p}.layers.{i}", layer, fw.layer(prof, stash, layers[0], f"{p}.layers.{i}", norm_backend))
+        handle._bind(f"{p}.norm", d.module.norm, fw.final_norm(prof, stash, f"{p}.norm", norm_backend))
         guarded.append(d.module.norm)
         # Drop entries whose hidden state is gone, before and after each forward of the model.
         handle._hook(d.module.register_forward_pre_hook(lambda mod, args: stash.purge()))

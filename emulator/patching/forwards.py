@@ -14,12 +14,13 @@ from ..errors import ResidualStreamLost
 from .carry import Carry, Stash
 
 
-def norm_plain(profile: Profile, act: torch.dtype, *, to_act: bool):
+def norm_plain(profile: Profile, act: torch.dtype, *, to_act: bool, backend: str | None = None):
     """A plain RMSNorm site (first layer's input norm, q/k norms). ``to_act``: the output feeds a
-    matmul, so an FP32 ``output`` site is rounded there (RNE, as the matmul's input)."""
+    matmul, so an FP32 ``output`` site is rounded there (RNE, as the matmul's input). ``backend``:
+    the norms' emulator backend (exact mode: ``reference-inductor`` for an engine that compiles)."""
 
     def forward(self, hidden_states):
-        y = F.rmsnorm(hidden_states, self.weight, self.variance_epsilon, profile)
+        y = F.rmsnorm(hidden_states, self.weight, self.variance_epsilon, profile, backend=backend)
         return y.to(act) if to_act and y.dtype != act else y
 
     return forward
@@ -79,7 +80,7 @@ def attention(profile: Profile, qk_norm: bool, eager_attention: Callable[..., An
     return forward
 
 
-def layer(profile: Profile, stash: Stash, first: torch.nn.Module, path: str):
+def layer(profile: Profile, stash: Stash, first: torch.nn.Module, path: str, backend: str | None = None):
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
         if self is first:
@@ -97,13 +98,13 @@ def layer(profile: Profile, stash: Stash, first: torch.nn.Module, path: str):
                 )
             m, r = Carry.apply(hidden_states, carried)
             ln = self.input_layernorm
-            x, residual = F.add_rmsnorm(m, r, ln.weight, ln.variance_epsilon, profile)
+            x, residual = F.add_rmsnorm(m, r, ln.weight, ln.variance_epsilon, profile, backend=backend)
         a, _ = self.self_attn(
             hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
         )
         ln = self.post_attention_layernorm
-        x2, residual = F.add_rmsnorm(a, residual, ln.weight, ln.variance_epsilon, profile)
+        x2, residual = F.add_rmsnorm(a, residual, ln.weight, ln.variance_epsilon, profile, backend=backend)
         m = self.mlp(x2)
         h = m.to(residual.dtype) + residual
         stash.put(h, m, residual)
@@ -112,7 +113,7 @@ def layer(profile: Profile, stash: Stash, first: torch.nn.Module, path: str):
     return forward
 
 
-def final_norm(profile: Profile, stash: Stash, path: str):
+def final_norm(profile: Profile, stash: Stash, path: str, backend: str | None = None):
     def forward(self, hidden_states):
         carried = stash.get(hidden_states)
         if carried is None:
@@ -121,7 +122,7 @@ def final_norm(profile: Profile, stash: Stash, path: str):
                 "engine's fused residual add cannot be reproduced; call it through the model's forward"
             )
         m, r = Carry.apply(hidden_states, carried)
-        out, _ = F.add_rmsnorm(m, r, self.weight, self.variance_epsilon, profile)
+        out, _ = F.add_rmsnorm(m, r, self.weight, self.variance_epsilon, profile, backend=backend)
         return out
 
     return forward

@@ -37,6 +37,7 @@ class PatchHandle:
         self.native = native
         self.modules: list[str] = []
         self.exact = False  # exact mode: attention computed as the profile's engine computes it
+        self.norm_backend: str | None = None  # exact mode: the norms' emulator backend
         self._undo: list[Callable[[], None]] = []
         self._stashes: list[Stash] = []
 

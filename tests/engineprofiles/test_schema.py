@@ -95,7 +95,7 @@ def test_unknown_precision_names_the_allowed_ones(profile_file, tmp_path):
 
 
 def test_future_schema_version_is_refused(profile_file, tmp_path):
-    path = _mutate(profile_file, tmp_path, lambda d: d.__setitem__("schema_version", 2))
+    path = _mutate(profile_file, tmp_path, lambda d: d.__setitem__("schema_version", 3))
     with pytest.raises(ProfileError) as e:
         load_profile(path)
     msg = str(e.value)

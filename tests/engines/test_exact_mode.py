@@ -1,0 +1,64 @@
+"""Exact mode against the real vLLM engine: the trainer's log-probs equal the engine's, bit for bit.
+
+`probe-engine mismatch vllm --exact` runs vLLM's CPU build on a tiny model (its own environment),
+samples, re-scores, and recomputes the log-probs in the trainer in exact mode with the shipped
+profile. Where this machine's CPU capability is the one the profile was probed on, the exact rows
+must be bit-exact (every token, |dlogp| max 0), for the sampled tokens (decode) and the re-scored
+prompt (prefill). On another capability the engine's kernels take other code paths (the profile's
+evidence does not hold there): the exact rows must still beat the profile-only rows, and the
+numbers are reported as a warning, not hidden.
+
+A missing engine environment is a failure, never a skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from engineprofiles.store import get_profile
+
+REPO = Path(__file__).resolve().parents[2]
+VERSION = "0.32.0"
+CASES = [("qwen2", "default"), ("qwen3", "default"), ("llama", "default"), ("qwen3", "eager")]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("family,mode", CASES, ids=[f"{f}-{m}" for f, m in CASES])
+def test_exact_mode_reproduces_the_engines_log_probs(family, mode, tmp_path):
+    env = REPO / ".engines" / f"vllm-{VERSION}"
+    if not (env / ".ready").exists():
+        pytest.fail(f"the vllm {VERSION} environment is missing: run `scripts/engine_env.sh vllm {VERSION}` "
+                    "(scripts/test.sh does this). Engine tests are not skipped.", pytrace=False)
+    out = tmp_path / "m.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "engineloop.cli", "mismatch", "vllm", "--family", family, "--mode", mode, "--exact",
+         "--prompts", "2", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=1200, env=dict(os.environ),
+    )
+    sys.stdout.write(r.stdout[-4000:])
+    assert r.returncode == 0, f"probe-engine mismatch failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
+    d = json.loads(out.read_text())
+    rows = {k: {x["trainer"]: x for x in d[k]} for k in ("sampled", "prefill")}
+    prof = get_profile(d["profile"])
+    here = d["engine"].get("cpu_capability")
+    there = prof.engine.settings.get("cpu_capability")
+    if here == there:
+        for k in ("sampled", "prefill"):
+            ex = rows[k]["exact"]
+            assert ex["exact_match"] == 1.0 and ex["abs_dlogp_max"] == 0.0, (k, ex)
+    else:
+        for k in ("sampled", "prefill"):
+            assert rows[k]["exact"]["abs_dlogp_mean"] <= rows[k]["+ engine profile"]["abs_dlogp_mean"], (k, rows[k])
+        warnings.warn(f"exact mode, {family} {mode}: the engine ran on {here}, the profile was probed on {there}; "
+                      f"exact rows: sampled {rows['sampled']['exact']['exact_match']:.4f}, prefill "
+                      f"{rows['prefill']['exact']['exact_match']:.4f} (bit-exact only where the capability matches)",
+                      stacklevel=1)
+    # the rows exact mode adds to, not replaces
+    assert {"as-is", "+ engine profile", "+ rope only", "+ swiglu only", "+ rmsnorm only"} <= set(rows["sampled"])
