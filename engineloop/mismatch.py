@@ -47,11 +47,17 @@ class Report:
     model: dict[str, Any] = field(default_factory=dict)  # the tiny model's size (config fields)
     prompt_len: int = 12
     command: str = ""
+    # The engine against itself: the fraction of sampled tokens whose decode log-prob equals the
+    # log-prob its prefill gives the same token. Below 1, no trainer (one prefill) can match every
+    # sampled token: the engine's decode computed them another way (e.g. vLLM's CPU attention
+    # splitting long contexts across threads, VLLM_CPU_ATTN_SPLIT_KV).
+    engine_decode_equals_prefill: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(engine=self.engine, family=self.family, profile=self.profile_name,
                     trainer_profile=self.trainer_profile_name, warnings=self.warnings, model=self.model,
                     prompt_len=self.prompt_len, command=self.command,
+                    engine_decode_equals_prefill=self.engine_decode_equals_prefill,
                     sampled=[dict(trainer=n, **m.as_dict()) for n, m in self.rows],
                     prefill=[dict(trainer=n, **m.as_dict()) for n, m in self.prefill_rows])
 
@@ -253,4 +259,15 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
         finally:
             handle.remove()
         report.prefill_rows.append(("+ profile + engine attention", mismatch(lpre, full)))
+    dec = torch.tensor([x for sq in seqs for x in sq["sample_logprobs"]], dtype=torch.float32)
+    pre = torch.tensor([x for sq in seqs for x in sq["prompt_logprobs"][len(sq["prompt"]):]], dtype=torch.float32)
+    if dec.numel() and dec.shape == pre.shape:
+        report.engine_decode_equals_prefill = float((dec == pre).float().mean())
+        if report.engine_decode_equals_prefill < 1.0:
+            split = eng.get("attention", {}).get("split_kv")
+            report.warnings.append(
+                f"the engine's own decode and prefill log-probs of the sampled tokens agree on only "
+                f"{report.engine_decode_equals_prefill:.2%} of them: no single trainer forward can match both"
+                + (" (vLLM's CPU attention splits long decode contexts across threads with VLLM_CPU_ATTN_SPLIT_KV=1; "
+                   "run the engine with VLLM_CPU_ATTN_SPLIT_KV=0 to make decode equal prefill)" if split else ""))
     return report
