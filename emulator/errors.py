@@ -54,6 +54,11 @@ class CapabilityMismatch(UserWarning):
     kernels dispatch by ISA, so its evidence may not hold here."""
 
 
+class InexactEvidence(UserWarning):
+    """exact mode with a profile whose own evidence is not bitwise (its attention matched the engine
+    on fewer than every element): the trainer reproduces the profile's point, not the engine."""
+
+
 class ResidualStreamLost(EmulatorError, RuntimeError):
     """A patched decoder layer (not the first) or the final norm got a hidden state that no patched
     layer produced, so the (MLP output, residual) pair the engine's fused add needs is unknown."""

@@ -156,12 +156,19 @@ def fit_profiles(pairs: list[tuple[str, Any, dict[str, Any]]], start: "Profile",
     from engineprofiles.regions import REGIONS
     from engineprofiles.schema import make_profile
 
+    from emulator.functional import use_backend
+
+    # An engine that compiles its regions with Inductor sums the norms' squares in Inductor's order:
+    # fit with the trainer's norms compiled the same way (what exact mode runs).
+    backend = "reference-inductor" if start.engine.execution_mode == "inductor" else "reference"
+
     def run(points, label):
         prof = make_profile(engine=start.engine, dtype=start.dtype, points=points,
                             provenance=start.provenance.model_copy(update={"method": "synthetic"}))
         handles = [apply_profile(m, prof) for _, m, _ in pairs]
         try:
-            return compare_pairs(pairs, label)
+            with use_backend(backend):
+                return compare_pairs(pairs, label)
         finally:
             for h in handles:
                 h.remove()
@@ -261,6 +268,9 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
                  + (" and the final hidden states" if any(k.endswith("hidden") for k in fit.best.layers) else ""),
                  "match_rate and elements are of the whole model (every captured tensor) under the fitted profile: "
                  "the regions are fitted jointly; per_shape gives each tensor's rate"]
+        if first.get("compilation_mode") not in (None, "NONE") and start.engine.execution_mode == "inductor":
+            notes.append("the trainer's norms ran compiled by Inductor (emulator backend reference-inductor), as "
+                         "exact mode runs them for this engine")
         if spec.site_part(op) != spec.site_part(win):
             notes.append(f"op-level probe said {op.label()}; in situ wins")
         evidence[region] = dict(

@@ -12,8 +12,9 @@ D=docs/data
 mkdir -p "$D"
 run() {  # name, then probe-engine mismatch options
   local name=$1; shift
-  echo "== $name: probe-engine mismatch vllm $*" >&2
-  "$PY" -m engineloop.cli mismatch vllm --exact --json "$D/mismatch-vllm-$V-$name.json" "$@" >/dev/null
+  echo "== $name: probe-engine mismatch vllm --exact $*" >&2
+  ENGINEPROFILES_COMMAND="${PREFIX:-}probe-engine mismatch vllm --exact $*" \
+    "$PY" -m engineloop.cli mismatch vllm --exact --json "$D/mismatch-vllm-$V-$name.json" "$@" >/dev/null
 }
 WIDE=(--layers 4 --hidden 512 --intermediate 1024 --prompt-len 200 --max-tokens 32)
 if [[ "${1:-}" != --wide-only ]]; then
@@ -27,4 +28,10 @@ run qwen2-wide --family qwen2 "${WIDE[@]}" --heads 4 --kv-heads 2 --head-dim 128
 run qwen2-wide-eager --family qwen2 --mode eager "${WIDE[@]}" --heads 4 --kv-heads 2 --head-dim 128
 run qwen3-wide --family qwen3 "${WIDE[@]}" --heads 8 --kv-heads 2 --head-dim 128
 run llama-wide --family llama "${WIDE[@]}" --heads 8 --kv-heads 8 --head-dim 64
+# vLLM's CPU attention splits long decode contexts across threads by default; with the split off
+# its decode equals its prefill, and so can the trainer's.
+export VLLM_CPU_ATTN_SPLIT_KV=0
+PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run qwen2-wide-nosplit --family qwen2 "${WIDE[@]}" --heads 4 --kv-heads 2 --head-dim 128
+PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run qwen2-wide-eager-nosplit --family qwen2 --mode eager "${WIDE[@]}" --heads 4 --kv-heads 2 --head-dim 128
+unset VLLM_CPU_ATTN_SPLIT_KV
 "$PY" scripts/make_mismatch_docs.py

@@ -1,8 +1,6 @@
-"""Write docs/mismatch.md from the JSON files `probe-engine mismatch --json` wrote in docs/data/.
+"""Write docs/mismatch.md from the JSON files `probe-engine mismatch --json` wrote in docs/data/
+(scripts/make_mismatch_data.sh runs every measurement, then this).
 
-    for f in qwen2 qwen3 llama; do
-      probe-engine mismatch vllm --family $f --json docs/data/mismatch-vllm-0.32.0-$f.json
-    done
     .venv/bin/python scripts/make_mismatch_docs.py
 """
 
@@ -16,10 +14,20 @@ COLS = ("exact_match", "k3_kl", "abs_dp_max", "abs_dp_mean", "abs_dlogp_mean", "
 HEAD = "| trainer | exact match | k3 KL | \\|Δp\\| max | \\|Δp\\| mean | \\|Δlogp\\| mean | \\|Δlogp\\| max | PPL ratio |"
 
 
+def pct(x: float) -> str:
+    """Never shows a partial match as 100%."""
+    if x == 1.0:
+        return "100%"
+    d = 1
+    while f"{100 * x:.{d}f}".startswith("100") and d < 8:
+        d += 1
+    return f"{100 * x:.{d}f}%"
+
+
 def table(rows: list[dict]) -> str:
     out = [HEAD, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        cells = [f"{100 * r['exact_match']:.1f}%"] + [f"{r[c]:.2e}" for c in COLS[1:-1]] + [f"{r['ppl_ratio']:.5f}"]
+        cells = [pct(r['exact_match'])] + [f"{r[c]:.2e}" for c in COLS[1:-1]] + [f"{r['ppl_ratio']:.5f}"]
         out.append(f"| {r['trainer']} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -31,10 +39,21 @@ def main() -> None:
     for f in files:
         d = json.loads(f.read_text())
         e = d["engine"]
-        parts += [f"## {e['name']} {e['version']} ({e.get('compilation_mode', '')}), family {d['family']}", "",
-                  f"Command: `probe-engine mismatch {e['name']} --family {d['family']} --json {f.relative_to(REPO)}`. "
-                  f"Profile applied: `{d['profile']}`; the trainer's own: `{d['trainer_profile']}`. "
-                  f"{d['sampled'][0]['tokens']} sampled tokens.", ""]
+        m = d.get("model") or {}
+        size = (f"{m.get('num_hidden_layers')} layers, hidden {m.get('hidden_size')}, MLP {m.get('intermediate_size')}, "
+                f"{m.get('num_attention_heads')}/{m.get('num_key_value_heads')} heads, head dim {m.get('head_dim')}"
+                if m else "the tiny default")
+        cmd = d.get("command") or f"probe-engine mismatch {e['name']} --family {d['family']}"
+        parts += [f"## {e['name']} {e['version']} ({e.get('compilation_mode', '')}, mode {e.get('mode', 'default')}), "
+                  f"family {d['family']}: {size}", "",
+                  f"Command: `{cmd}`. Engine on CPU capability {e.get('cpu_capability', '?')}, attention "
+                  f"{(e.get('attention') or {}).get('backend', '?')} (isa {(e.get('attention') or {}).get('isa', '?')}, "
+                  f"split-KV {(e.get('attention') or {}).get('split_kv', '?')}). First prompt {d.get('prompt_len', '?')} "
+                  f"tokens, {d['sampled'][0]['tokens']} sampled tokens. Profile applied: `{d['profile']}`; the "
+                  f"trainer's own: `{d['trainer_profile']}`."
+                  + (f" The engine's own decode log-probs equal its prefill ones on "
+                     f"{pct(d['engine_decode_equals_prefill'])} of the sampled tokens."
+                     if d.get("engine_decode_equals_prefill") is not None else ""), ""]
         for w in d.get("warnings", []):
             parts += [f"Warning: {w}", ""]
         parts += ["Sampled tokens, against the engine's decode log-probs:", "", table(d["sampled"]), "",

@@ -338,8 +338,8 @@ def _ref(fn, backend: str):
     def run(*args, **kwargs):
         import torch._dynamo
 
-        # one graph per (point, eps, dtypes): more than Dynamo's default of 8 variants in a model
-        with torch._dynamo.config.patch(cache_size_limit=64, accumulated_cache_size_limit=512):
+        # one graph per (point, eps, dtypes): more than Dynamo's default of 8 (an in-situ fit tries dozens)
+        with torch._dynamo.config.patch(cache_size_limit=1024, accumulated_cache_size_limit=4096):
             return compiled(*args, **kwargs)
 
     return run

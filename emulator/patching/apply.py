@@ -16,6 +16,7 @@ from ..errors import (
     CapabilityMismatch,
     CompileUnsupported,
     ExactModeUnavailable,
+    InexactEvidence,
     ProfileMismatch,
     RegionUnavailable,
     UnsupportedModel,
@@ -98,6 +99,12 @@ def _check_exact(model: torch.nn.Module, decoders: list[Decoder], profile: Profi
                 raise ExactModeUnavailable(f"{d.path}.layers.{i}.self_attn has attention dropout "
                                            f"{attn.attention_dropout}; the engine has none, so exact mode refuses it "
                                            "(set config.attention_dropout = 0.0)")
+    rate = profile.attention.evidence.match_rate
+    if rate is not None and rate < 1.0:
+        warnings.warn(
+            f"profile {profile.canonical_name}: its attention point matched the engine on {rate:.4%} of the probed "
+            "elements, not all; exact mode computes that point, so it cannot be bit-exact to this engine",
+            InexactEvidence, stacklevel=3)
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     probed_cap = profile.engine.settings.get("cpu_capability")
     if dev.type == "cpu" and profile.engine.backend == "cpu" and probed_cap is not None:

@@ -157,6 +157,16 @@ def test_apply_profile_exact_refuses_sliding_window_and_dropout():
         emulator.apply_profile(m, ENGINE, exact=True)
 
 
+def test_a_profile_whose_attention_evidence_is_not_bitwise_is_a_clear_warning():
+    from emulator.errors import InexactEvidence
+
+    trainer = "transformers-5.19.0-cpu-eager-bfloat16"  # HF's SDPA: no lattice point matches it bit for bit
+    assert get_profile(trainer).attention.evidence.match_rate < 1.0
+    with pytest.warns(InexactEvidence, match="cannot be bit-exact"):
+        h = emulator.apply_profile(tiny_model("qwen2", seed=0), trainer, exact=True)
+    h.remove()
+
+
 def test_a_profile_from_another_cpu_capability_is_a_clear_warning(monkeypatch):
     prof = get_profile(ENGINE)
     other = "AVX2" if prof.engine.settings.get("cpu_capability") != "AVX2" else "AVX512"
