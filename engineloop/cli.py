@@ -371,7 +371,7 @@ def _in_situ(engine: str, families: list[str], output: Optional[str], seed: int,
 
     from . import runner, tables
     from .fit import fit_attention_in_situ, fit_profiles, in_situ_profile
-    from .mismatch import load_capture, run_capture
+    from .mismatch import load_capture, run_capture, save_model
 
     t0 = time.perf_counter()
 
@@ -399,7 +399,7 @@ def _in_situ(engine: str, families: list[str], output: Optional[str], seed: int,
             model = tiny_model(family, seed=seed, **((cap or {}).get("model_size") or {})).eval()
             if cap is None:
                 with tempfile.TemporaryDirectory() as tmp:
-                    model.save_pretrained(Path(tmp) / "model")
+                    save_model(model, Path(tmp) / "model")
                     cap = run_capture(engine, Path(tmp) / "model", Path(tmp) / "cap.pt", prompts=prompts,
                                       max_tokens=16, seed=seed, env=env, note=note,
                                       mode="eager" if mode == "eager" else "default")

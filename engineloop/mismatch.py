@@ -131,6 +131,19 @@ def load_capture(path: str | Path) -> dict[str, Any]:
     return cap
 
 
+def save_model(model, path: Path) -> None:
+    """``save_pretrained`` without transformers' progress bar (one line of noise per engine run)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path)
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_tokens: int, seed: int,
                 env: str | None, note: Callable[[str], None], mode: str = "default",
                 prompt_len: int = 12) -> dict[str, Any]:
@@ -193,7 +206,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
         with tempfile.TemporaryDirectory() as tmp:
             wd = Path(workdir or tmp)
             model_dir = wd / f"tiny-{family}"
-            model.save_pretrained(model_dir)
+            save_model(model, model_dir)
             cap = run_capture(engine, model_dir, wd / "capture.pt", prompts=prompts, max_tokens=max_tokens,
                               seed=seed, env=env, note=note, mode="eager" if mode == "eager" else "default",
                               prompt_len=prompt_len)
