@@ -109,19 +109,29 @@ def mean_of_squares(x: torch.Tensor) -> torch.Tensor:
 def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """Correctly rounded FP32 fused multiply-add ``a*b + c`` (one rounding), on any device.
 
-    The product of two FP32 values is exact in FP64; ``s = p + c`` in FP64 is within half an FP64
-    ulp of the exact sum, and TwoSum gives that error ``e`` exactly. Rounding ``s`` straight to FP32
-    could round twice; rounding to odd first (``s`` moved one FP64 ulp toward ``e`` when it is
-    inexact and even) keeps the information, and 53 >= 2*24 + 2 bits make the final RNE to FP32
-    the single correct rounding of ``a*b + c``.
+    The product of two FP32 values is exact in FP64, and ``s = p + c`` in FP64 is the FP64 value
+    nearest the exact sum. Rounding ``s`` to FP32 gives the correct result unless ``s`` is exactly
+    halfway between two FP32 values while the exact sum is not (rounding twice): only then is the
+    sum's error ``e`` (TwoSum, exact) needed, and ``s`` is moved one FP64 ulp toward it (round to
+    odd) before the final rounding. FP32 subnormal results take the same careful path.
     """
-    a, b, c = torch.broadcast_tensors(a.double(), b.double(), c.double())
-    p = a * b
-    s = p + c
-    bp = s - c
-    e = (p - bp) + (c - (s - bp))
-    bits = s.view(torch.int64)
-    inexact_even = torch.isfinite(s) & (e != 0) & ((bits & 1) == 0)  # Inf/NaN pass through
-    away = (e > 0) == (s > 0)  # moving toward e increases |s|
-    bits = torch.where(inexact_even, bits + torch.where(away, 1, -1), bits)
-    return bits.view(torch.float64).float()
+    p = a.double() * b.double()
+    s = p + c.double()
+    r = s.float()
+    bits = s.view(torch.int64) if s.is_contiguous() else s.contiguous().view(torch.int64)
+    # low 29 bits of the FP64 significand = 1 followed by zeros: an FP32 midpoint (normal range)
+    careful = ((bits & 0x1FFFFFFF) == 0x10000000) | (s.abs() < 2.0 ** -125)
+    if not bool(careful.any()):
+        return r
+    idx = careful.nonzero(as_tuple=True)
+    pb, cb = torch.broadcast_tensors(p, c.double())
+    pp, cc, ss = pb[idx], cb[idx], s[idx]
+    bp = ss - cc
+    e = (pp - bp) + (cc - (ss - bp))
+    sb = ss.view(torch.int64)
+    inexact_even = torch.isfinite(ss) & (e != 0) & ((sb & 1) == 0)
+    away = (e > 0) == (ss > 0)  # moving toward e increases |s|
+    sb = torch.where(inexact_even, sb + torch.where(away, 1, -1), sb)
+    r = r.clone()
+    r[idx] = sb.view(torch.float64).float()
+    return r

@@ -57,6 +57,29 @@ def test_fma_is_the_single_rounding_of_the_exact_value_on_random_and_near_tie_in
     assert not torch.equal((a * b + c).view(torch.int32), want.view(torch.int32))
 
 
+def test_fma_rounds_once_where_the_fp64_sum_lands_exactly_on_an_fp32_midpoint():
+    """The case double rounding gets wrong: a*b + c is not a midpoint, its FP64 rounding is. The
+    fast path must hand these to the careful one (the test asserts that it met some)."""
+    rng = random.Random(1)
+    trip = []
+    for _ in range(20000):
+        a = _f32(1 + rng.random() * 2 ** -8)
+        b = _f32(rng.choice((1, 3)) * 2 ** -24 / a)
+        c = _f32(1.0 + rng.randrange(0, 64) * 2 ** -23)
+        x = Fraction(a) * Fraction(b) + Fraction(c)
+        s64 = float(x)
+        bits = torch.tensor([s64], dtype=torch.float64).view(torch.int64).item()
+        if (bits & 0x1FFFFFFF) == 0x10000000 and Fraction(s64) != x:
+            trip.append((a, b, c))
+    assert len(trip) >= 10, len(trip)
+    a, b, c = (torch.tensor(v, dtype=torch.float32) for v in zip(*trip))
+    want = torch.tensor([_rne_f32(Fraction(x) * Fraction(y) + Fraction(z)) for x, y, z in trip], dtype=torch.float32)
+    assert torch.equal(portable.fma(a, b, c).view(torch.int32), want.view(torch.int32))
+    # rounding the FP64 sum (twice) is wrong on some of them
+    naive = (a.double() * b.double() + c.double()).float()
+    assert not torch.equal(naive.view(torch.int32), want.view(torch.int32))
+
+
 def test_fma_passes_inf_and_nan_through():
     a = torch.tensor([1.0, float("inf"), float("nan"), 2.0])
     c = torch.tensor([float("inf"), 1.0, 1.0, float("-inf")])
