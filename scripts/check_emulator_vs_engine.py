@@ -239,30 +239,41 @@ def check_in_situ(prof, args) -> list[Row]:
     import tempfile
 
     from emulator import apply_profile
-    from engineloop.fit import compare
     from engineprofiles.models import tiny_model
 
     e = prof.engine
     if e.name != "vllm":
         raise SystemExit(f"error: in-situ capture exists for vllm only, not {e.name}")
-    family = str(e.settings.get("in_situ_family") or "qwen2")
-    model = tiny_model(family, seed=args.seed, dtype=ACT_DTYPES[prof.dtype])
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(os.path.join(tmp, "model"))
-        out = os.path.join(tmp, "capture.pt")
-        mode = "eager" if e.execution_mode == "eager" else "default"
-        cmd = [sys.executable, "-m", "engineloop.capture", e.name, "--model", os.path.join(tmp, "model"),
-               "--out", out, "--prompts", "4", "--max-tokens", "16", "--seed", str(args.seed), "--mode", mode]
-        print(f"capturing {e.name} {e.version} on a fresh tiny {family} model (seed {args.seed})", flush=True)
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise SystemExit(f"error: the capture failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
-        cap = torch.load(out, weights_only=False)
-    if (cap["engine"]["name"], cap["engine"]["version"]) != (e.name, e.version):
-        raise SystemExit(f"error: captured {cap['engine']} but the profile is from {e.name} {e.version}")
+    fams = e.settings.get("in_situ_family") or "qwen2"
+    families = [fams] if isinstance(fams, str) else list(fams)
+    pairs = []
+    for family in families:
+        model = tiny_model(family, seed=args.seed, dtype=ACT_DTYPES[prof.dtype])
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(os.path.join(tmp, "model"))
+            out = os.path.join(tmp, "capture.pt")
+            mode = "eager" if e.execution_mode == "eager" else "default"
+            cmd = [sys.executable, "-m", "engineloop.capture", e.name, "--model", os.path.join(tmp, "model"),
+                   "--out", out, "--prompts", "4", "--max-tokens", "16", "--seed", str(args.seed), "--mode", mode]
+            print(f"capturing {e.name} {e.version} on a fresh tiny {family} model (seed {args.seed})", flush=True)
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise SystemExit(f"error: the capture failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+            cap = torch.load(out, weights_only=True)
+        if (cap["engine"]["name"], cap["engine"]["version"]) != (e.name, e.version):
+            raise SystemExit(f"error: captured {cap['engine']} but the profile is from {e.name} {e.version}")
+        pairs.append((family, model, cap))
     t1 = time.perf_counter()
-    with apply_profile(model, prof):
-        res = compare(model, cap, prof.canonical_name)
+    from emulator.functional import use_backend
+    from engineloop.fit import compare_pairs
+
+    handles = [apply_profile(m, prof) for _, m, _ in pairs]
+    try:  # as the in-situ fit ran the trainer (norms compiled for an Inductor engine)
+        with use_backend("reference-inductor" if e.execution_mode == "inductor" else "reference"):
+            res = compare_pairs(pairs, prof.canonical_name)
+    finally:
+        for h in handles:
+            h.remove()
     secs = time.perf_counter() - t1
     ev = prof.entry("rope").evidence  # every region of an in-situ profile carries the same evidence
     per = {s.shape: s.match_rate for s in ev.per_shape}
