@@ -264,11 +264,16 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     # Diagnosis: with the profile and the engine's own attention outputs (teacher forced), what is
     # left is everything outside attention: if this row is exact, attention explains the rest.
     if all(lay is not None for s in seqs for lay in s["layers"]):
+        from emulator.functional import use_backend
+
         from .fit import teacher_forced_logprobs
 
         handle = apply_profile(model, prof)
+        # the trainer's norms as the in-situ fit and exact mode run them for an Inductor engine
+        backend = "reference-inductor" if prof.engine.execution_mode == "inductor" else "reference"
         try:
-            full = torch.cat([teacher_forced_logprobs(model, s) for s in seqs])
+            with use_backend(backend):
+                full = torch.cat([teacher_forced_logprobs(model, s) for s in seqs])
         finally:
             handle.remove()
         report.prefill_rows.append(("+ profile + engine attention", mismatch(lpre, full)))
