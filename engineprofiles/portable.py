@@ -106,6 +106,17 @@ def mean_of_squares(x: torch.Tensor) -> torch.Tensor:
     return acc / _f32(float(n), x)
 
 
+def _fma_fast(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP64 product and sum, the sum rounded to FP32, and where that may round twice: an FP32
+    midpoint (the low 29 bits of the FP64 significand are 1 followed by zeros) or an FP32
+    subnormal."""
+    p = a.double() * b.double()
+    s = p + c.double()
+    bits = s.view(torch.int64)
+    careful = ((bits & 0x1FFFFFFF) == 0x10000000) | ((s.abs() < 2.0 ** -125) & (s != 0))
+    return s.float(), careful
+
+
 def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """Correctly rounded FP32 fused multiply-add ``a*b + c`` (one rounding), on any device.
 
@@ -115,21 +126,20 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     sum's error ``e`` (TwoSum, exact) needed, and ``s`` is moved one FP64 ulp toward it (round to
     odd) before the final rounding. FP32 subnormal results take the same careful path.
     """
-    p = a.double() * b.double()
-    s = p + c.double()
-    r = s.float()
-    bits = s.view(torch.int64) if s.is_contiguous() else s.contiguous().view(torch.int64)
-    # low 29 bits of the FP64 significand = 1 followed by zeros: an FP32 midpoint (normal range)
-    careful = ((bits & 0x1FFFFFFF) == 0x10000000) | (s.abs() < 2.0 ** -125)
+    r, careful = _fma_fast(a, b, c)
     if not bool(careful.any()):
         return r
     idx = careful.nonzero(as_tuple=True)
-    pb, cb = torch.broadcast_tensors(p, c.double())
-    pp, cc, ss = pb[idx], cb[idx], s[idx]
+    shape = r.shape
+    pp = (a.double() * b.double()).expand(shape)[idx]
+    cc = c.double().expand(shape)[idx]
+    ss = pp + cc
     bp = ss - cc
     e = (pp - bp) + (cc - (ss - bp))
     sb = ss.view(torch.int64)
     inexact_even = torch.isfinite(ss) & (e != 0) & ((sb & 1) == 0)
+    if not bool(inexact_even.any()):
+        return r  # exact midpoints: rounding s once was right
     away = (e > 0) == (ss > 0)  # moving toward e increases |s|
     sb = torch.where(inexact_even, sb + torch.where(away, 1, -1), sb)
     r = r.clone()
