@@ -19,9 +19,10 @@ from ..errors import (
     UnsupportedModel,
 )
 from . import forwards as fw
+from . import loss as lm_loss
 from .carry import Stash
 from .families import NATIVE, Decoder, check_decoder, families_text, find_decoders
-from .guard import COMPILE_MESSAGE, compile_guard, compiled_modules
+from .guard import COMPILED_BEFORE_MESSAGE, compiled_modules, hold_eager_numerics, native_guard
 from .handle import ACTIVE, PATCHED_ATTR, PatchHandle
 
 
@@ -42,7 +43,7 @@ def _check_dtype(d: Decoder, profile: Profile, act: torch.dtype) -> None:
 def _check_patchable(model: torch.nn.Module, decoders: list[Decoder]) -> None:
     compiled = compiled_modules(model)
     if compiled:
-        raise CompileUnsupported(f"{COMPILE_MESSAGE}; compiled here: {', '.join(compiled[:4])}")
+        raise CompileUnsupported(f"{COMPILED_BEFORE_MESSAGE}; compiled here: {', '.join(compiled[:4])}")
     for d in decoders:
         handle = ACTIVE.get(d.module)
         if handle is None:
@@ -162,49 +163,67 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
         native=tuple(r for r in REGIONS if not (emulate[r] or (r == "rope" and attention))),
     )
     handle.exact = exact
+    raw = {r: prof.point(r) for r in REGIONS}  # as the profile writes them (the forwards compute these)
     try:
         for d in decoders:
-            _patch_decoder(handle, d, prof, act, emulate, attention, exact_point)
+            _patch_decoder(handle, d, raw, act, emulate, attention, exact_point)
+            _patch_loss(handle, model, d)
+            if handle.native:
+                handle._hook(d.module.register_forward_pre_hook(native_guard(handle.native, prof.canonical_name)))
+        handle._undo.append(hold_eager_numerics())
     except BaseException:  # pragma: no cover - a bug; leave the model as it was
         handle.remove()
         raise
     return handle
 
 
-def _patch_decoder(handle: PatchHandle, d: Decoder, prof: Profile, act: torch.dtype, emulate: dict[str, bool],
-                   attention: bool, exact_point: Point | None = None) -> None:
+def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], act: torch.dtype,
+                   emulate: dict[str, bool], attention: bool, exact_point: Point | None = None) -> None:
     c, p, layers = d.classes, d.path, d.layers
     ACTIVE[d.module] = handle
     handle._undo.append(lambda: ACTIVE.pop(d.module, None))
-    guarded: list[torch.nn.Module] = [d.module, *layers]
     if emulate["swiglu"]:
         for i, layer in enumerate(layers):
-            handle._bind(f"{p}.layers.{i}.mlp", layer.mlp, fw.mlp(prof))
-            guarded.append(layer.mlp)
+            handle._bind(f"{p}.layers.{i}.mlp", layer.mlp, fw.mlp(points["swiglu"], act))
     if emulate["rmsnorm"]:
-        handle._bind(f"{p}.layers.0.input_layernorm", layers[0].input_layernorm, fw.norm_plain(prof, act, to_act=True))
-        guarded.append(layers[0].input_layernorm)
+        handle._bind(f"{p}.layers.0.input_layernorm", layers[0].input_layernorm, fw.norm_plain(points["rmsnorm"], act, to_act=True))
         if d.family.qk_norm:
             for i, layer in enumerate(layers):
                 for n in ("q_norm", "k_norm"):
                     mod = getattr(layer.self_attn, n)
-                    handle._bind(f"{p}.layers.{i}.self_attn.{n}", mod, fw.norm_plain(prof, act, to_act=False))
-                    guarded.append(mod)
+                    handle._bind(f"{p}.layers.{i}.self_attn.{n}", mod, fw.norm_plain(points["rmsnorm"], act, to_act=False))
     if attention:
         handle._bind(f"{p}.rotary_emb", d.module.rotary_emb, fw.rotary(d.rope_theta, d.rotary_dim))
         for i, layer in enumerate(layers):
             handle._bind(f"{p}.layers.{i}.self_attn", layer.self_attn,
-                         fw.attention(prof, d.family.qk_norm, c["eager_attention"], exact_point))
-            guarded.append(layer.self_attn)
+                         fw.attention(points["rope"], act, d.family.qk_norm, c["eager_attention"], exact_point))
     if emulate["add_rmsnorm"]:
         stash = Stash()
         handle._stashes.append(stash)
         for i, layer in enumerate(layers):
-            handle._bind(f"{p}.layers.{i}", layer, fw.layer(prof, stash, layers[0], f"{p}.layers.{i}"))
-        handle._bind(f"{p}.norm", d.module.norm, fw.final_norm(prof, stash, f"{p}.norm"))
-        guarded.append(d.module.norm)
+            handle._bind(f"{p}.layers.{i}", layer, fw.layer(points["add_rmsnorm"], act, stash, layers[0], f"{p}.layers.{i}"))
+        handle._bind(f"{p}.norm", d.module.norm, fw.final_norm(points["add_rmsnorm"], act, stash, f"{p}.norm"))
         # Drop entries whose hidden state is gone, before and after each forward of the model.
         handle._hook(d.module.register_forward_pre_hook(lambda mod, args: stash.purge()))
         handle._hook(d.module.register_forward_hook(lambda mod, args, out: stash.purge()))
-    for mod in guarded:
-        handle._hook(mod.register_forward_pre_hook(compile_guard))
+
+
+def _patch_loss(handle: PatchHandle, model: torch.nn.Module, d: Decoder) -> None:
+    """The causal LM around ``d`` computes its own loss (HF's ForCausalLMLoss) as eager torch does,
+    also when compiled (see :mod:`.loss`); a model with another loss function keeps it."""
+    for _, mod in model.named_modules():
+        if getattr(mod, "model", None) is not d.module or not isinstance(getattr(type(mod), "loss_function", None), property):
+            continue
+        if not lm_loss.is_hf_loss(mod.loss_function):
+            continue
+        had = "_loss_function" in mod.__dict__
+        before = mod.__dict__.get("_loss_function")
+        mod._loss_function = lm_loss.loss_function()
+
+        def undo(mod: torch.nn.Module = mod, had: bool = had, before: object = before) -> None:
+            if had:
+                mod.__dict__["_loss_function"] = before
+            else:
+                mod.__dict__.pop("_loss_function", None)
+
+        handle._undo.append(undo)

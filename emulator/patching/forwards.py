@@ -1,4 +1,7 @@
-"""The forwards apply_profile binds on a model's own modules (one factory per module kind)."""
+"""The forwards apply_profile binds on a model's own modules (one factory per module kind).
+
+Each takes the profile's points (resolved once by apply_profile) and its activation dtype, not the
+profile: the forwards are also traced by torch.compile, which must not walk the profile's schema."""
 
 from __future__ import annotations
 
@@ -6,28 +9,27 @@ from typing import Any, Callable
 
 import torch
 
-from engineprofiles.regions import rope_cos_sin
-from engineprofiles.schema import Profile
+from engineprofiles.regions import Point, rope_cos_sin
 
 from .. import functional as F
 from ..errors import ResidualStreamLost
 from .carry import Carry, Stash
 
 
-def norm_plain(profile: Profile, act: torch.dtype, *, to_act: bool):
+def norm_plain(point: Point, act: torch.dtype, *, to_act: bool):
     """A plain RMSNorm site (first layer's input norm, q/k norms). ``to_act``: the output feeds a
     matmul, so an FP32 ``output`` site is rounded there (RNE, as the matmul's input)."""
 
     def forward(self, hidden_states):
-        y = F.rmsnorm(hidden_states, self.weight, self.variance_epsilon, profile)
+        y = F.rmsnorm(hidden_states, self.weight, self.variance_epsilon, point, dtype=act)
         return y.to(act) if to_act and y.dtype != act else y
 
     return forward
 
 
-def mlp(profile: Profile):
+def mlp(point: Point, act: torch.dtype):
     def forward(self, x):
-        return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x), profile))
+        return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x), point, dtype=act))
 
     return forward
 
@@ -42,7 +44,7 @@ def rotary(theta: float, rotary_dim: int):
     return forward
 
 
-def attention(profile: Profile, qk_norm: bool, eager_attention: Callable[..., Any], exact: Any = None):
+def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Callable[..., Any], exact: Any = None):
     """The attention module's forward: RoPE at the profile's point; then HF's attention function, or
     in exact mode (``exact``: the profile's attention point) the engine's attention."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -58,8 +60,8 @@ def attention(profile: Profile, qk_norm: bool, eager_attention: Callable[..., An
         cos, sin = position_embeddings
         half = cos.shape[-1] // 2
         cos, sin = cos[..., :half], sin[..., :half]
-        q = F.rope(q, cos, sin, profile, style="neox").transpose(1, 2)
-        k = F.rope(k, cos, sin, profile, style="neox").transpose(1, 2)
+        q = F.rope(q, cos, sin, point, style="neox", dtype=act).transpose(1, 2)
+        k = F.rope(k, cos, sin, point, style="neox", dtype=act).transpose(1, 2)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         if exact is not None:
@@ -79,7 +81,8 @@ def attention(profile: Profile, qk_norm: bool, eager_attention: Callable[..., An
     return forward
 
 
-def layer(profile: Profile, stash: Stash, first: torch.nn.Module, path: str):
+def layer(point: Point, act: torch.dtype, stash: Stash, first: torch.nn.Module, path: str):
+    """The decoder layer with the engine's residual path; ``point``: the add_rmsnorm point."""
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
         if self is first:
@@ -97,13 +100,13 @@ def layer(profile: Profile, stash: Stash, first: torch.nn.Module, path: str):
                 )
             m, r = Carry.apply(hidden_states, carried)
             ln = self.input_layernorm
-            x, residual = F.add_rmsnorm(m, r, ln.weight, ln.variance_epsilon, profile)
+            x, residual = F.add_rmsnorm(m, r, ln.weight, ln.variance_epsilon, point, dtype=act)
         a, _ = self.self_attn(
             hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
         )
         ln = self.post_attention_layernorm
-        x2, residual = F.add_rmsnorm(a, residual, ln.weight, ln.variance_epsilon, profile)
+        x2, residual = F.add_rmsnorm(a, residual, ln.weight, ln.variance_epsilon, point, dtype=act)
         m = self.mlp(x2)
         h = m.to(residual.dtype) + residual
         stash.put(h, m, residual)
@@ -112,7 +115,7 @@ def layer(profile: Profile, stash: Stash, first: torch.nn.Module, path: str):
     return forward
 
 
-def final_norm(profile: Profile, stash: Stash, path: str):
+def final_norm(point: Point, act: torch.dtype, stash: Stash, path: str):
     def forward(self, hidden_states):
         carried = stash.get(hidden_states)
         if carried is None:
@@ -120,8 +123,9 @@ def final_norm(profile: Profile, stash: Stash, path: str):
                 f"{path}: the final norm's input was not produced by the last patched decoder layer, so the "
                 "engine's fused residual add cannot be reproduced; call it through the model's forward"
             )
+        stash.last = None  # the end of the stream
         m, r = Carry.apply(hidden_states, carried)
-        out, _ = F.add_rmsnorm(m, r, self.weight, self.variance_epsilon, profile)
+        out, _ = F.add_rmsnorm(m, r, self.weight, self.variance_epsilon, point, dtype=act)
         return out
 
     return forward

@@ -1,5 +1,24 @@
-"""torch.compile and a patched model: refused with :class:`CompileUnsupported`, at apply time
-(a compiled module) and at trace time (a pre-hook on every patched module)."""
+"""torch.compile and a patched model: what the compiled code needs to round as the eager patch does,
+and what is refused.
+
+A patched model compiles (``torch.compile(model)``, default Inductor backend) to the same bits as
+the eager patched model, forward and backward:
+
+* every emulated region (and exact mode's attention) is a custom op (emulator/ops/), which Inductor
+  calls as an opaque operation: it can neither drop a rounding inside nor fuse into it;
+* the residual stream is carried by identity while tracing (:class:`.carry.Stash`);
+* the causal LM's own loss is an opaque op too (:mod:`.loss`);
+* while a patch is active, ``torch._inductor.config.emulate_precision_casts`` is True: Inductor
+  then rounds every BF16/FP16 intermediate of the code it fuses where eager torch rounds it (else
+  it keeps e.g. the sum of the gradients of one activation, eager's chain of BF16 adds, in FP32).
+  The setting is process-wide; it is put back when the last active patch is removed.
+
+Refused with :class:`CompileUnsupported`:
+
+* a model compiled before it is patched (apply time): Dynamo traced the unpatched forwards;
+* a patch that leaves a region to HF's own module (``skip_native``; trace time): Inductor would
+  compile HF's code for it, with its own reductions and fusions, not as eager HF rounds.
+"""
 
 from __future__ import annotations
 
@@ -9,23 +28,11 @@ import torch
 
 from ..errors import CompileUnsupported
 
-COMPILE_MESSAGE = (
-    "a model patched by emulator.apply_profile cannot be compiled with torch.compile: Inductor rewrites "
-    "the rounding of the code it compiles (it drops intermediate BF16 casts), so the compiled model would "
-    "no longer round where the profile says. Run the patched model eagerly, or remove the patch "
-    "(handle.remove()) before compiling"
+COMPILED_BEFORE_MESSAGE = (
+    "apply_profile was given a model (or a module of it) that torch.compile already wraps; the compiled code "
+    "was traced from the unpatched forwards and would not run the patch. Apply the profile to the plain model "
+    "first, then compile it: handle = emulator.apply_profile(model, profile); model = torch.compile(model)"
 )
-
-
-def _compile_guard_impl(module: torch.nn.Module, args: Any) -> None:
-    if torch.compiler.is_compiling():
-        raise CompileUnsupported(f"{COMPILE_MESSAGE} (module {type(module).__name__})")
-
-
-# Dynamo falls back to running a frame eagerly when traced code raises, which would skip the
-# check; marking the guard's frame error_on_graph_break makes the raise reach the caller.
-_eogb = getattr(getattr(torch, "_dynamo", None), "error_on_graph_break", None)
-compile_guard = _eogb(True)(_compile_guard_impl) if _eogb is not None else _compile_guard_impl
 
 
 def compiled_modules(model: torch.nn.Module) -> list[str]:
@@ -38,3 +45,56 @@ def compiled_modules(model: torch.nn.Module) -> list[str]:
         if isinstance(mod, OptimizedModule) or getattr(mod, "_compiled_call_impl", None) is not None:
             found.append(name or type(mod).__name__)
     return found
+
+
+def native_guard(native: tuple[str, ...], profile_name: str):
+    """A forward pre-hook for the decoder of a patch that leaves ``native`` regions to HF's modules:
+    raises :class:`CompileUnsupported` when torch.compile traces it."""
+    message = (
+        f"this model is patched with profile {profile_name}, whose point for region(s) {', '.join(native)} is what "
+        "HF's own modules compute, so the patch left those regions to HF's modules (skip_native); torch.compile "
+        "would compile HF's code there with Inductor's reductions and fusions, which do not round as eager HF "
+        "does. To compile, apply the profile with skip_native=False (the emulator then computes every region: "
+        "the same forward bits, its straight-through FP32 backward), or run the patched model eagerly"
+    )
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            raise CompileUnsupported(message)
+
+    # Dynamo falls back to running a frame eagerly when traced code raises, which would skip the
+    # check; marking the hook's frame error_on_graph_break makes the raise reach the caller.
+    eogb = getattr(getattr(torch, "_dynamo", None), "error_on_graph_break", None)
+    return eogb(True)(hook) if eogb is not None else hook
+
+
+# -- Inductor's eager numerics while a patch is active -------------------------------------------
+
+_active = 0
+_saved: bool | None = None
+
+
+def hold_eager_numerics() -> Any:
+    """Turn ``emulate_precision_casts`` on while a patch is active; returns the release to call
+    when that patch is removed (the setting is put back when the last one is)."""
+    global _active, _saved
+    import torch._inductor.config as inductor_config
+
+    if _active == 0:
+        _saved = inductor_config.emulate_precision_casts
+        inductor_config.emulate_precision_casts = True
+    _active += 1
+    released = False
+
+    def release() -> None:
+        global _active, _saved
+        nonlocal released
+        if released:
+            return
+        released = True
+        _active -= 1
+        if _active == 0 and _saved is not None:
+            inductor_config.emulate_precision_casts = _saved
+            _saved = None
+
+    return release
