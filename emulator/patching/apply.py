@@ -19,10 +19,10 @@ from ..errors import (
     UnsupportedModel,
 )
 from . import forwards as fw
-from . import loss as lm_loss
+from . import opaque
 from .carry import Stash
 from .families import NATIVE, Decoder, check_decoder, families_text, find_decoders
-from .guard import COMPILED_BEFORE_MESSAGE, compiled_modules, hold_eager_numerics, native_guard
+from .guard import COMPILED_BEFORE_MESSAGE, compiled_modules, hold_eager_numerics, native_message, refusal_hook
 from .handle import ACTIVE, PATCHED_ATTR, PatchHandle
 
 
@@ -167,10 +167,13 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     try:
         for d in decoders:
             _patch_decoder(handle, d, raw, act, emulate, attention, exact_point)
-            _patch_loss(handle, model, d)
-            if handle.native:
-                handle._hook(d.module.register_forward_pre_hook(native_guard(handle.native, prof.canonical_name)))
-        handle._undo.append(hold_eager_numerics())
+            if handle.native:  # torch.compile is refused (guard.py); eagerly nothing more is needed
+                refuse = refusal_hook(native_message(handle.native, prof.canonical_name))
+                handle._hook(d.module.register_forward_pre_hook(refuse))
+            else:
+                _patch_loss(handle, model, d)
+        if not handle.native:
+            handle._undo.append(hold_eager_numerics())
     except BaseException:  # pragma: no cover - a bug; leave the model as it was
         handle.remove()
         raise
@@ -182,6 +185,16 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], ac
     c, p, layers = d.classes, d.path, d.layers
     ACTIVE[d.module] = handle
     handle._undo.append(lambda: ACTIVE.pop(d.module, None))
+    emb = getattr(d.module, "embed_tokens", None)
+    if handle.native:  # compiling is refused (apply_profile), so the embedding needs nothing
+        pass
+    elif opaque.plain_embedding(emb):
+        handle._bind(f"{p}.embed_tokens", emb, fw.embedding())
+    elif emb is not None:
+        handle._hook(d.module.register_forward_pre_hook(refusal_hook(
+            f"{p}.embed_tokens is a {type(emb).__name__}, not a plain torch.nn.Embedding; compiled, its gradient "
+            "would be Inductor's scatter-add, not eager's, so a patched model with it cannot be compiled: run it "
+            "eagerly")))
     if emulate["swiglu"]:
         for i, layer in enumerate(layers):
             handle._bind(f"{p}.layers.{i}.mlp", layer.mlp, fw.mlp(points["swiglu"], act))
@@ -196,7 +209,8 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], ac
         handle._bind(f"{p}.rotary_emb", d.module.rotary_emb, fw.rotary(d.rope_theta, d.rotary_dim))
         for i, layer in enumerate(layers):
             handle._bind(f"{p}.layers.{i}.self_attn", layer.self_attn,
-                         fw.attention(points["rope"], act, d.family.qk_norm, c["eager_attention"], exact_point))
+                         fw.attention(points["rope"], act, d.family.qk_norm, c["eager_attention"], d.family.name,
+                                      f"{p}.layers.{i}.self_attn", exact_point))
     if emulate["add_rmsnorm"]:
         stash = Stash()
         handle._stashes.append(stash)
@@ -214,11 +228,11 @@ def _patch_loss(handle: PatchHandle, model: torch.nn.Module, d: Decoder) -> None
     for _, mod in model.named_modules():
         if getattr(mod, "model", None) is not d.module or not isinstance(getattr(type(mod), "loss_function", None), property):
             continue
-        if not lm_loss.is_hf_loss(mod.loss_function):
+        if mod.loss_function is not opaque.hf_loss():
             continue
         had = "_loss_function" in mod.__dict__
         before = mod.__dict__.get("_loss_function")
-        mod._loss_function = lm_loss.loss_function()
+        mod._loss_function = opaque.loss_function()
 
         def undo(mod: torch.nn.Module = mod, had: bool = had, before: object = before) -> None:
             if had:

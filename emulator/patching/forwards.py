@@ -1,7 +1,9 @@
 """The forwards apply_profile binds on a model's own modules (one factory per module kind).
 
 Each takes the profile's points (resolved once by apply_profile) and its activation dtype, not the
-profile: the forwards are also traced by torch.compile, which must not walk the profile's schema."""
+profile: the forwards are also traced by torch.compile, which must not walk the profile's schema.
+While torch.compile traces them, the HF code around the regions runs as opaque ops
+(:mod:`.opaque`), so that the compiled model computes the eager patched model's bits."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from engineprofiles.regions import Point, rope_cos_sin
 
 from .. import functional as F
 from ..errors import ResidualStreamLost
+from . import opaque
 from .carry import Carry, Stash
+from .guard import refusal
 
 
 def norm_plain(point: Point, act: torch.dtype, *, to_act: bool):
@@ -29,7 +33,8 @@ def norm_plain(point: Point, act: torch.dtype, *, to_act: bool):
 
 def mlp(point: Point, act: torch.dtype):
     def forward(self, x):
-        return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x), point, dtype=act))
+        gate, up = opaque.linear(self.gate_proj, x), opaque.linear(self.up_proj, x)
+        return opaque.linear(self.down_proj, F.swiglu(gate, up, point, dtype=act))
 
     return forward
 
@@ -38,23 +43,48 @@ def rotary(theta: float, rotary_dim: int):
     def forward(self, x, position_ids):
         # FP32 cos/sin, in HF's layout [batch, tokens, rotary_dim] (halves repeated); the RoPE
         # region's cos_sin site decides whether they are rounded.
-        cos, sin = rope_cos_sin(position_ids, rotary_dim, theta)
+        if torch.compiler.is_compiling():
+            cos, sin = opaque.rope_cos_sin_op(position_ids, rotary_dim, theta)
+        else:
+            cos, sin = rope_cos_sin(position_ids, rotary_dim, theta)
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
     return forward
 
 
-def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Callable[..., Any], exact: Any = None):
+def embedding():
+    """The token embedding (a plain nn.Embedding): itself eagerly, the opaque op when compiled."""
+
+    def forward(self, ids):
+        if torch.compiler.is_compiling():
+            return opaque.embedding(self, ids)
+        return torch.nn.Embedding.forward(self, ids)
+
+    return forward
+
+
+def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Callable[..., Any], family: str,
+              path: str, exact: Any = None):
     """The attention module's forward: RoPE at the profile's point; then HF's attention function, or
     in exact mode (``exact``: the profile's attention point) the engine's attention."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    refuse_implementation = refusal(
+        f"{path}: a patched model compiles with HF's attention implementations "
+        f"{', '.join(opaque.ATTENTION_IMPLEMENTATIONS)} (run as an opaque op, as eager runs them); this model uses "
+        "another one. Load the model with attn_implementation='sdpa', apply the profile with exact=True, or run the "
+        "patched model eagerly")
+    refuse_dropout = refusal(
+        f"{path}: attention dropout in training is random, and the compiled patch recomputes attention in the "
+        "backward, so it cannot reproduce eager's bits; set config.attention_dropout = 0.0 (engines have none), "
+        "or run the patched model eagerly")
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(hidden_shape)
-        k = self.k_proj(hidden_states).view(hidden_shape)
-        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        q = opaque.linear(self.q_proj, hidden_states).view(hidden_shape)
+        k = opaque.linear(self.k_proj, hidden_states).view(hidden_shape)
+        v = opaque.linear(self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
         if qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # may hand FP32 on to RoPE
         cos, sin = position_embeddings
@@ -67,7 +97,18 @@ def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Ca
         if exact is not None:
             out = F.attention(q, k, v, exact, scale=self.scaling, attention_mask=attention_mask).transpose(1, 2)
             out = out.reshape(*input_shape, -1).contiguous()
-            return self.o_proj(out), None
+            return opaque.linear(self.o_proj, out), None
+        if torch.compiler.is_compiling():
+            impl = self.config._attn_implementation
+            if impl not in opaque.ATTENTION_IMPLEMENTATIONS:
+                refuse_implementation()
+            if self.training and self.attention_dropout:
+                refuse_dropout()
+            is_causal = kwargs.get("is_causal")
+            is_causal = getattr(self, "is_causal", True) if is_causal is None else is_causal
+            out = opaque.hf_attention_op(q, k, v, attention_mask, impl, family, self.num_key_value_groups,
+                                         bool(is_causal), float(self.scaling))
+            return opaque.linear(self.o_proj, out.reshape(*input_shape, -1).contiguous()), None
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
         extra = {"sliding_window": self.sliding_window} if hasattr(self, "sliding_window") else {}
         out, weights = attention_interface(
@@ -76,7 +117,7 @@ def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Ca
             scaling=self.scaling, **extra, **kwargs,
         )
         out = out.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(out), weights
+        return opaque.linear(self.o_proj, out), weights
 
     return forward
 

@@ -47,25 +47,37 @@ def compiled_modules(model: torch.nn.Module) -> list[str]:
     return found
 
 
-def native_guard(native: tuple[str, ...], profile_name: str):
-    """A forward pre-hook for the decoder of a patch that leaves ``native`` regions to HF's modules:
-    raises :class:`CompileUnsupported` when torch.compile traces it."""
-    message = (
+def refusal(message: str):
+    """A function that, called where torch.compile traces, raises :class:`CompileUnsupported`
+    (``message``) to the caller. Traced code cannot raise to the caller (Dynamo would run the
+    frame eagerly instead), so the raise runs outside the compiled graph, from a function
+    torch.compile does not trace; under ``fullgraph=True`` the message is the graph break's reason."""
+
+    def refuse_to_compile() -> None:
+        raise CompileUnsupported(message)
+
+    return torch.compiler.disable(refuse_to_compile, reason=f"CompileUnsupported: {message}")
+
+
+def refusal_hook(message: str):
+    """A forward pre-hook that refuses to be compiled (see :func:`refusal`)."""
+    refuse = refusal(message)
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            refuse()
+
+    return hook
+
+
+def native_message(native: tuple[str, ...], profile_name: str) -> str:
+    return (
         f"this model is patched with profile {profile_name}, whose point for region(s) {', '.join(native)} is what "
         "HF's own modules compute, so the patch left those regions to HF's modules (skip_native); torch.compile "
         "would compile HF's code there with Inductor's reductions and fusions, which do not round as eager HF "
         "does. To compile, apply the profile with skip_native=False (the emulator then computes every region: "
         "the same forward bits, its straight-through FP32 backward), or run the patched model eagerly"
     )
-
-    def hook(module: torch.nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
-            raise CompileUnsupported(message)
-
-    # Dynamo falls back to running a frame eagerly when traced code raises, which would skip the
-    # check; marking the hook's frame error_on_graph_break makes the raise reach the caller.
-    eogb = getattr(getattr(torch, "_dynamo", None), "error_on_graph_break", None)
-    return eogb(True)(hook) if eogb is not None else hook
 
 
 # -- Inductor's eager numerics while a patch is active -------------------------------------------
