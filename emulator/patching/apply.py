@@ -22,7 +22,8 @@ from . import forwards as fw
 from . import opaque
 from .carry import Stash
 from .families import NATIVE, Decoder, check_decoder, families_text, find_decoders
-from .guard import COMPILED_BEFORE_MESSAGE, compiled_modules, hold_eager_numerics, native_message, refusal_hook
+from .guard import (COMPILED_BEFORE_MESSAGE, compiled_modules, checkpointing_hook, hold_eager_numerics, native_message,
+                    refusal_hook)
 from .handle import ACTIVE, PATCHED_ATTR, PatchHandle
 
 
@@ -172,6 +173,7 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
                 handle._hook(d.module.register_forward_pre_hook(refuse))
             else:
                 _patch_loss(handle, model, d)
+                handle._hook(d.module.register_forward_pre_hook(checkpointing_hook(d.path, d.layers)))
         if not handle.native:
             handle._undo.append(hold_eager_numerics())
     except BaseException:  # pragma: no cover - a bug; leave the model as it was

@@ -77,6 +77,12 @@ class Stash:
 
 @torch.compiler.disable
 def _lookup_outside_compile(stash: Stash, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The pair of ``t``, looked up where it lives (run outside the compiled graph: a graph break).
+    ``t`` may be the previous layer's output re-wrapped by a hook that torch.compile does not trace
+    (FSDP2's), so ``last`` is matched like the stash's entries, by where the tensor lives."""
+    last = stash.last
+    if last is not None and Stash._key(last[0]) == Stash._key(t) and _storage_ref(last[0]) == _storage_ref(t):
+        return last[1], last[2]
     return stash._lookup(t)
 
 

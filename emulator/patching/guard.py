@@ -70,6 +70,22 @@ def refusal_hook(message: str):
     return hook
 
 
+def checkpointing_hook(path: str, layers: list[torch.nn.Module]):
+    """A forward pre-hook for the decoder: refuses to be compiled while its layers checkpoint."""
+    refuse = refusal(
+        f"{path}: gradient checkpointing is on, and under torch.compile a checkpointed layer does not hand the "
+        "patch's residual stream (its MLP output and residual) on to the next layer as eager code does (measured: "
+        "the compiled model's gradients are not the eager patched model's). Compile without gradient "
+        "checkpointing (model.gradient_checkpointing_disable()), or run the patched model eagerly with it")
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling() and any(getattr(m, "gradient_checkpointing", False) and m.training
+                                                 for m in layers):
+            refuse()
+
+    return hook
+
+
 def native_message(native: tuple[str, ...], profile_name: str) -> str:
     return (
         f"this model is patched with profile {profile_name}, whose point for region(s) {', '.join(native)} is what "
