@@ -168,9 +168,10 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     try:
         for d in decoders:
             _patch_decoder(handle, d, raw, act, emulate, attention, exact_point)
-            if handle.native:  # torch.compile is refused (guard.py); eagerly nothing more is needed
+            if handle.native:  # torch.compile is refused (guard.py), wherever it starts; eagerly nothing more is needed
                 refuse = refusal_hook(native_message(handle.native, prof.canonical_name))
-                handle._hook(d.module.register_forward_pre_hook(refuse))
+                for mod in _region_modules(d):
+                    handle._hook(mod.register_forward_pre_hook(refuse))
             else:
                 _patch_loss(handle, model, d)
                 handle._hook(d.module.register_forward_pre_hook(checkpointing_hook(d.path, d.layers)))
@@ -243,3 +244,13 @@ def _patch_loss(handle: PatchHandle, model: torch.nn.Module, d: Decoder) -> None
                 mod.__dict__.pop("_loss_function", None)
 
         handle._undo.append(undo)
+
+
+def _region_modules(d: Decoder) -> list[torch.nn.Module]:
+    """The decoder and the modules of it that compute a region (and so HF's rounding, when native)."""
+    mods: list[torch.nn.Module] = [d.module, d.module.norm, d.module.rotary_emb]
+    for layer in d.layers:
+        mods += [layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm]
+        if d.family.qk_norm:
+            mods += [layer.self_attn.q_norm, layer.self_attn.k_norm]
+    return mods

@@ -17,7 +17,7 @@ from .. import functional as F
 from ..errors import ResidualStreamLost
 from . import opaque
 from .carry import Carry, Stash
-from .guard import refusal
+from .guard import checkpointing_message, refusal
 
 
 def norm_plain(point: Point, act: torch.dtype, *, to_act: bool):
@@ -124,8 +124,11 @@ def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Ca
 
 def layer(point: Point, act: torch.dtype, stash: Stash, first: torch.nn.Module, path: str):
     """The decoder layer with the engine's residual path; ``point``: the add_rmsnorm point."""
+    refuse_checkpointing = refusal(checkpointing_message(path))
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
+        if torch.compiler.is_compiling() and getattr(self, "gradient_checkpointing", False) and self.training:
+            refuse_checkpointing()  # a layer compiled alone (the whole model refuses before, guard.py)
         if self is first:
             residual = hidden_states
             x = self.input_layernorm(hidden_states)  # plain RMSNorm: no add before the first layer

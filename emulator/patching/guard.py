@@ -70,13 +70,19 @@ def refusal_hook(message: str):
     return hook
 
 
-def checkpointing_hook(path: str, layers: list[torch.nn.Module]):
-    """A forward pre-hook for the decoder: refuses to be compiled while its layers checkpoint."""
-    refuse = refusal(
+def checkpointing_message(path: str) -> str:
+    return (
         f"{path}: gradient checkpointing is on, and under torch.compile a checkpointed layer does not hand the "
         "patch's residual stream (its MLP output and residual) on to the next layer as eager code does (measured: "
-        "the compiled model's gradients are not the eager patched model's). Compile without gradient "
-        "checkpointing (model.gradient_checkpointing_disable()), or run the patched model eagerly with it")
+        "the compiled model's gradients are not the eager patched model's, or the stream is lost). Compile without "
+        "gradient checkpointing (model.gradient_checkpointing_disable()), or run the patched model eagerly with it"
+    )
+
+
+def checkpointing_hook(path: str, layers: list[torch.nn.Module]):
+    """A forward pre-hook for the decoder: refuses to be compiled while its layers checkpoint (a
+    layer compiled alone refuses in its forward, :func:`.forwards.layer`)."""
+    refuse = refusal(checkpointing_message(path))
 
     def hook(module: torch.nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling() and any(getattr(m, "gradient_checkpointing", False) and m.training

@@ -30,7 +30,24 @@ import torch
 
 from engineprofiles.regions import rope_cos_sin
 
+from ..errors import CompileUnsupported
 from ..ops._utils import autograd_in_op, owned
+
+
+def check_compile_settings() -> None:
+    """Run by these ops' fake implementations, i.e. while torch.compile traces a patched model (also
+    inside Inductor, under the options given to torch.compile): Inductor must round like eager."""
+    import torch._inductor.config as inductor_config
+
+    if not inductor_config.emulate_precision_casts:
+        raise CompileUnsupported(
+            "a patched model is being compiled with torch._inductor.config.emulate_precision_casts off (apply_profile "
+            "turns it on while a patch is active; torch.compile's options or a later change turned it off): Inductor "
+            "would then keep BF16 intermediates in FP32 where eager torch rounds them (e.g. the sum of an "
+            "activation's gradients), and the compiled model would not be bit-equal to the eager patched model. "
+            "Leave it on (do not pass options={'emulate_precision_casts': False})"
+        )
+
 
 # -- RoPE's FP32 cos/sin ---------------------------------------------------------------------------
 
@@ -43,6 +60,7 @@ def rope_cos_sin_op(positions: torch.Tensor, rotary_dim: int, theta: float) -> t
 
 @rope_cos_sin_op.register_fake
 def _rope_cos_sin_fake(positions, rotary_dim, theta):
+    check_compile_settings()
     shape = (*positions.shape, rotary_dim // 2)
     return positions.new_empty(shape, dtype=torch.float32), positions.new_empty(shape, dtype=torch.float32)
 
@@ -57,6 +75,7 @@ def embedding_op(weight: torch.Tensor, ids: torch.Tensor, padding_idx: int) -> t
 
 @embedding_op.register_fake
 def _embedding_fake(weight, ids, padding_idx):
+    check_compile_settings()
     return weight.new_empty((*ids.shape, weight.shape[1]))
 
 
@@ -107,6 +126,7 @@ def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torc
 
 @linear_op.register_fake
 def _linear_fake(x, weight, bias):
+    check_compile_settings()
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -181,6 +201,7 @@ def hf_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 @hf_attention_op.register_fake
 def _hf_attention_fake(q, k, v, mask, impl, family, groups, is_causal, scaling):
+    check_compile_settings()
     b, h, t, _ = q.shape
     return q.new_empty((b, t, h, v.shape[-1]))
 
@@ -243,6 +264,7 @@ def causal_lm_loss_op(logits: torch.Tensor, labels: torch.Tensor | None, shift_l
 
 @causal_lm_loss_op.register_fake
 def _loss_fake(logits, labels, shift_labels, vocab_size, ignore_index, n_tensor, n_int):
+    check_compile_settings()
     return logits.new_empty((), dtype=torch.float32)
 
 
