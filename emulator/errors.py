@@ -41,7 +41,10 @@ class AlreadyPatched(PatchError):
 
 
 class CompileUnsupported(PatchError):
-    """torch.compile and a patched model: the compiled code would not round where the profile says."""
+    """torch.compile and a patched model in a configuration whose compiled code would not compute the
+    eager patched model's bits (a model compiled before patching, native regions, gradient
+    checkpointing, ...; see emulator.patching.guard); raised at apply time or when compiled code
+    is traced."""
 
 
 class ExactModeUnavailable(PatchError):

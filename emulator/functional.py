@@ -29,6 +29,14 @@ transcendentals, so all backends agree on it bit for bit.
 
 Choose the backend with the ``EMULATOR_BACKEND`` environment variable (read at each call) or
 with the :func:`use_backend` context manager, which wins over the variable.
+
+Under ``torch.compile`` each function calls its region as a ``torch.library`` custom op
+(``torch.ops.emulator.<region>``, forward and backward), which Inductor calls as one opaque
+operation, so compiled code computes the eager bits (the same implementation runs). The backend
+is the one requested when the code is traced; the op checks at run time that it still is
+(:class:`~emulator.errors.BackendError` otherwise: ``torch.compiler.reset()`` recompiles). Pass a
+:class:`~engineprofiles.regions.Point` (``profile.point(region)``) in compiled code: resolving a
+Profile reads its schema, which torch.compile runs outside the graph (a graph break).
 """
 
 from __future__ import annotations

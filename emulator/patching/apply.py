@@ -127,8 +127,12 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
 
     Refused, with nothing changed: a model of no supported family (or whose modules were
     replaced), a RoPE type other than default, a profile whose dtype is not the model's or that
-    records a region as unavailable, a compiled model, a model already patched
-    (:class:`AlreadyPatched`: applying twice is an error).
+    records a region as unavailable, a model compiled before it is patched (patch first, then
+    compile), a model already patched (:class:`AlreadyPatched`: applying twice is an error).
+
+    ``torch.compile(model)`` of the patched model computes the same bits as the eager patched
+    model, forward and backward; what it refuses, and the process-wide Inductor setting a patch
+    holds, are in :mod:`emulator.patching.guard`.
 
     ``exact=True`` (exact mode): attention too is computed as the profile's engine computes it
     (the profile's ``attention`` entry, prefill and decode), so that with the regions and HF's own
