@@ -1,23 +1,36 @@
-"""torch.compile and a patched model: what the compiled code needs to round as the eager patch does,
-and what is refused.
+"""torch.compile and a patched model: what the compiled code needs to compute the eager patched
+model's bits, and what is refused.
 
-A patched model compiles (``torch.compile(model)``, default Inductor backend) to the same bits as
-the eager patched model, forward and backward:
+A patched model compiles (``torch.compile(model)``, the default Inductor backend, whole or layer by
+layer) to the same bits as the eager patched model, forward and backward
+(tests/emulator/test_compile.py), because:
 
 * every emulated region (and exact mode's attention) is a custom op (emulator/ops/), which Inductor
   calls as an opaque operation: it can neither drop a rounding inside nor fuse into it;
+* the HF code around the regions whose kernels Inductor would change runs as opaque ops while
+  traced (:mod:`.opaque`: cos/sin, the embedding's gradient, biased linears, HF's attention
+  function, the causal LM's own loss);
 * the residual stream is carried by identity while tracing (:class:`.carry.Stash`);
-* the causal LM's own loss is an opaque op too (:mod:`.loss`);
 * while a patch is active, ``torch._inductor.config.emulate_precision_casts`` is True: Inductor
   then rounds every BF16/FP16 intermediate of the code it fuses where eager torch rounds it (else
   it keeps e.g. the sum of the gradients of one activation, eager's chain of BF16 adds, in FP32).
   The setting is process-wide; it is put back when the last active patch is removed.
 
-Refused with :class:`CompileUnsupported`:
+Refused with :class:`CompileUnsupported` (each message says what to do instead):
 
 * a model compiled before it is patched (apply time): Dynamo traced the unpatched forwards;
-* a patch that leaves a region to HF's own module (``skip_native``; trace time): Inductor would
-  compile HF's code for it, with its own reductions and fusions, not as eager HF rounds.
+* a patch that leaves a region to HF's own module (``skip_native``; when traced, wherever
+  compiling starts): Inductor would compile HF's code for it, not as eager HF rounds;
+* gradient checkpointing (when traced): a checkpointed layer does not hand the residual stream
+  on under torch.compile (measured: not bit-equal);
+* an attention implementation other than sdpa/eager, and attention dropout in training (normal
+  mode, when traced; :func:`.forwards.attention`);
+* Inductor with ``emulate_precision_casts`` off, e.g. through ``torch.compile``'s options (inside
+  Inductor, by the fake implementations of :mod:`.opaque`'s ops; Dynamo reports it as
+  ``BackendCompilerFailed`` whose ``inner_exception`` is the CompileUnsupported).
+
+A refusal raised where torch.compile traces would make Dynamo run the frame eagerly instead, so
+it is raised from a function torch.compile does not trace (:func:`refusal`).
 """
 
 from __future__ import annotations
