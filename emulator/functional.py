@@ -219,7 +219,8 @@ def _rows_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, profile: ProfileLike, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, profile: ProfileLike, *,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
     """silu(gate) * up at the profile's SwiGLU point; gate and up in the activation dtype, same
     shape (any leading shape, any strides, e.g. the two halves of a fused gate_up output).
     ``dtype``: the activation dtype, if given (gate must be in it). Gradients flow to gate and up."""

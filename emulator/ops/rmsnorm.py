@@ -412,7 +412,8 @@ def add_rmsnorm_op(x2: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor, eps
 
 @add_rmsnorm_op.register_fake
 def _add_rmsnorm_fake(x2, r2, weight, eps, point, act, backend):
-    return x2.new_empty(x2.shape, dtype=act), x2.new_empty(x2.shape, dtype=_out_dtype(point_from_key(point), act, "residual_out"))
+    res_dtype = _out_dtype(point_from_key(point), act, "residual_out")
+    return x2.new_empty(x2.shape, dtype=act), x2.new_empty(x2.shape, dtype=res_dtype)
 
 
 @torch.library.custom_op("emulator::rmsnorm_bwd", mutates_args=())

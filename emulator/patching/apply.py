@@ -193,25 +193,26 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], ac
     ACTIVE[d.module] = handle
     handle._undo.append(lambda: ACTIVE.pop(d.module, None))
     emb = getattr(d.module, "embed_tokens", None)
-    if handle.native:  # compiling is refused (apply_profile), so the embedding needs nothing
-        pass
-    elif opaque.plain_embedding(emb):
-        handle._bind(f"{p}.embed_tokens", emb, fw.embedding())
-    elif emb is not None:
-        handle._hook(d.module.register_forward_pre_hook(refusal_hook(
-            f"{p}.embed_tokens is a {type(emb).__name__}, not a plain torch.nn.Embedding; compiled, its gradient "
-            "would be Inductor's scatter-add, not eager's, so a patched model with it cannot be compiled: run it "
-            "eagerly")))
+    if not handle.native and emb is not None:  # (with native regions compiling is refused anyway)
+        if opaque.plain_embedding(emb):
+            handle._bind(f"{p}.embed_tokens", emb, fw.embedding())
+        else:
+            handle._hook(d.module.register_forward_pre_hook(refusal_hook(
+                f"{p}.embed_tokens is a {type(emb).__name__}, not a plain torch.nn.Embedding; compiled, its gradient "
+                "would be Inductor's scatter-add, not eager's, so a patched model with it cannot be compiled: run "
+                "it eagerly")))
     if emulate["swiglu"]:
         for i, layer in enumerate(layers):
             handle._bind(f"{p}.layers.{i}.mlp", layer.mlp, fw.mlp(points["swiglu"], act))
     if emulate["rmsnorm"]:
-        handle._bind(f"{p}.layers.0.input_layernorm", layers[0].input_layernorm, fw.norm_plain(points["rmsnorm"], act, to_act=True))
+        handle._bind(f"{p}.layers.0.input_layernorm", layers[0].input_layernorm,
+                     fw.norm_plain(points["rmsnorm"], act, to_act=True))
         if d.family.qk_norm:
             for i, layer in enumerate(layers):
                 for n in ("q_norm", "k_norm"):
                     mod = getattr(layer.self_attn, n)
-                    handle._bind(f"{p}.layers.{i}.self_attn.{n}", mod, fw.norm_plain(points["rmsnorm"], act, to_act=False))
+                    handle._bind(f"{p}.layers.{i}.self_attn.{n}", mod,
+                                 fw.norm_plain(points["rmsnorm"], act, to_act=False))
     if attention:
         handle._bind(f"{p}.rotary_emb", d.module.rotary_emb, fw.rotary(d.rope_theta, d.rotary_dim))
         for i, layer in enumerate(layers):
@@ -222,7 +223,8 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], ac
         stash = Stash()
         handle._stashes.append(stash)
         for i, layer in enumerate(layers):
-            handle._bind(f"{p}.layers.{i}", layer, fw.layer(points["add_rmsnorm"], act, stash, layers[0], f"{p}.layers.{i}"))
+            handle._bind(f"{p}.layers.{i}", layer,
+                         fw.layer(points["add_rmsnorm"], act, stash, layers[0], f"{p}.layers.{i}"))
         handle._bind(f"{p}.norm", d.module.norm, fw.final_norm(points["add_rmsnorm"], act, stash, f"{p}.norm"))
         # Drop entries whose hidden state is gone, before and after each forward of the model.
         handle._hook(d.module.register_forward_pre_hook(lambda mod, args: stash.purge()))
@@ -231,9 +233,11 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], ac
 
 def _patch_loss(handle: PatchHandle, model: torch.nn.Module, d: Decoder) -> None:
     """The causal LM around ``d`` computes its own loss (HF's ForCausalLMLoss) as eager torch does,
-    also when compiled (see :mod:`.loss`); a model with another loss function keeps it."""
+    also when compiled (see :mod:`.opaque`); a model with another loss function keeps it."""
     for _, mod in model.named_modules():
-        if getattr(mod, "model", None) is not d.module or not isinstance(getattr(type(mod), "loss_function", None), property):
+        if getattr(mod, "model", None) is not d.module:
+            continue
+        if not isinstance(getattr(type(mod), "loss_function", None), property):
             continue
         if mod.loss_function is not opaque.hf_loss():
             continue

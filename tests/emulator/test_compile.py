@@ -136,7 +136,8 @@ def test_compiling_the_region_code_without_its_custom_ops_is_not_bit_equal(monke
         want = step(model, model, *b)
         assert_same_step(step(torch.compile(model), model, *b), want, "with the custom ops")
         torch._dynamo.reset()
-        monkeypatch.setattr(F, "swiglu_op", lambda g, u, key, act, be: SwiGLUFunction.apply(g, u, point_from_key(key), act, be))
+        monkeypatch.setattr(F, "swiglu_op", lambda g, u, key, act, be: SwiGLUFunction.apply(
+            g, u, point_from_key(key), act, be))
         monkeypatch.setattr(F, "rmsnorm_op", lambda x, w, eps, key, act, be: RMSNormFunction.apply(
             x, w, eps, point_from_key(key), act, be))
         monkeypatch.setattr(F, "add_rmsnorm_op", lambda x, r, w, eps, key, act, be: AddRMSNormFunction.apply(
@@ -269,7 +270,8 @@ def _region_calls(backend: str):
     h, r = (activations((6, 48), bf, g).requires_grad_() for _ in range(2))
     w = (1 + 0.1 * torch.randn(48, generator=g)).to(bf).requires_grad_()
     pos = torch.arange(5)
-    cos, sin = (t.float() for t in (torch.cos(pos[:, None] * 0.3 ** torch.arange(8)), torch.sin(pos[:, None] * 0.3 ** torch.arange(8))))
+    angles = pos[:, None] * 0.3 ** torch.arange(8)
+    cos, sin = angles.cos().float(), angles.sin().float()
     q = activations((1, 4, 6, 16), bf, g, specials=False).requires_grad_()
     k, v = (activations((1, 2, 6, 16), bf, g, specials=False).requires_grad_() for _ in range(2))
     return {
