@@ -49,13 +49,10 @@ def current_backend() -> str:
 
 def backend_for(device: torch.device) -> str:
     """The backend a call on ``device`` runs now (``auto`` resolved)."""
-    from . import _utils
-    from .rope import _rope_fwd_kernel
-
     name = current_backend()
     if name == "auto":
         return "triton" if device.type == "cuda" else "reference"
-    if name == "triton" and device.type != "cuda" and not _utils.interpreted(_rope_fwd_kernel):
+    if name == "triton" and device.type != "cuda" and not _kernels_interpreted():
         raise BackendError(
             f"the triton backend was requested for {device.type} tensors, but the emulator's Triton kernels "
             "were compiled for GPUs: to run them on CPU through the Triton interpreter, set TRITON_INTERPRET=1 "
@@ -63,6 +60,13 @@ def backend_for(device: torch.device) -> str:
             "python ...); or use backend 'reference-portable', which computes the same bits in torch"
         )
     return name
+
+
+def _kernels_interpreted() -> bool:
+    from . import _utils
+    from .rope import _rope_fwd_kernel  # (the kernels' module imports this one)
+
+    return _utils.interpreted(_rope_fwd_kernel)
 
 
 @torch.compiler.assume_constant_result
