@@ -5,7 +5,8 @@ No Triton kernel: the forward is the bit-portable torch reference
 kernel bit for bit on any device (it is written with IEEE FP32 operations and exact fused
 multiply-adds), one sequence at a time. The backward is the gradient of softmax(q k^T * scale) v
 computed in FP32 with the output rounding treated as identity (straight-through), like the
-regions' backwards.
+regions' backwards. Both are also the custom op ``emulator::attention`` (for torch.compile); its
+backward runs eager autograd inside the op (``_utils.autograd_in_op``).
 
 Masks: HF hands attention a 4D mask ([B, 1, Tq, Tk], boolean "may attend" or additive) or None
 (causal, the queries being the last Tq positions). The engine runs each sequence alone, so the

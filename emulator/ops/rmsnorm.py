@@ -1,4 +1,6 @@
-"""RMSNorm and residual-add RMSNorm: Triton kernels, launchers and one autograd Function per form.
+"""RMSNorm and residual-add RMSNorm: Triton kernels, launchers and one autograd Function per form;
+the same forwards and backwards as custom ops (``emulator::rmsnorm``, ``emulator::add_rmsnorm``, for
+torch.compile).
 
 Semantics: :func:`engineprofiles.regions.rmsnorm.rmsnorm_ref` and ``add_rmsnorm_ref`` with
 ``math="portable"`` (read them side by side; each rounding site is marked ``# site: <name>`` in

@@ -1,4 +1,5 @@
-"""RoPE: Triton kernels, launchers and the autograd Function, for any point of the RoPE lattice.
+"""RoPE: Triton kernels, launchers and the autograd Function, for any point of the RoPE lattice;
+the same forward and backward as custom ops (``emulator::rope``, for torch.compile).
 
 Semantics: :func:`engineprofiles.regions.rope.rope_ref` (read it side by side; each rounding site
 is marked ``# site: <name>`` in both). RoPE has no transcendentals inside (cos/sin come in as FP32

@@ -1,4 +1,5 @@
-"""SwiGLU: Triton kernels, launchers and the autograd Function, for any point of the SwiGLU lattice.
+"""SwiGLU: Triton kernels, launchers and the autograd Function, for any point of the SwiGLU lattice;
+the same forward and backward as custom ops (``emulator::swiglu``, for torch.compile).
 
 Semantics: :func:`engineprofiles.regions.swiglu.swiglu_ref` with ``math="portable"`` (read it side
 by side; the rounding site is marked ``# site: silu`` in both). The kernel computes silu with the

@@ -125,6 +125,7 @@ def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Ca
 def layer(point: Point, act: torch.dtype, stash: Stash, first: torch.nn.Module, path: str):
     """The decoder layer with the engine's residual path; ``point``: the add_rmsnorm point."""
     refuse_checkpointing = refusal(checkpointing_message(path))
+
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
         if torch.compiler.is_compiling() and getattr(self, "gradient_checkpointing", False) and self.training:
