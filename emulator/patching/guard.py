@@ -69,7 +69,10 @@ def refusal(message: str):
     def refuse_to_compile() -> None:
         raise CompileUnsupported(message)
 
-    return torch.compiler.disable(refuse_to_compile, reason=f"CompileUnsupported: {message}")
+    try:
+        return torch.compiler.disable(refuse_to_compile, reason=f"CompileUnsupported: {message}")
+    except TypeError:  # pragma: no cover - a torch whose disable takes no reason (before 2.8)
+        return torch.compiler.disable(refuse_to_compile)
 
 
 def refusal_hook(message: str):
