@@ -42,9 +42,8 @@ class AlreadyPatched(PatchError):
 
 class CompileUnsupported(PatchError):
     """torch.compile and a patched model in a configuration whose compiled code would not compute the
-    eager patched model's bits (a model compiled before patching, native regions, gradient
-    checkpointing, ...; see emulator.patching.guard); raised at apply time or when compiled code
-    is traced."""
+    eager patched model's bits (native regions, gradient checkpointing, ...; see
+    emulator.patching.guard); raised when torch.compile traces the patched model."""
 
 
 class ExactModeUnavailable(PatchError):

@@ -45,8 +45,8 @@ forward and backward (:mod:`.guard` says how): the regions and exact mode's atte
 ops Inductor calls as opaque operations, the HF code around them whose kernels Inductor would
 change (cos/sin, the embedding's gradient, biased linears, HF's attention function, the model's
 own loss) runs as opaque ops while traced (:mod:`.opaque`), the residual stream is carried by
-identity, and Inductor's ``emulate_precision_casts`` is on while a patch is active. Patch first,
-then compile (a model compiled before patching is refused). Refused with
+identity, and Inductor's ``emulate_precision_casts`` is on while a patch is active. A model
+compiled before it is patched recompiles with the patch at its next call. Refused with
 :class:`CompileUnsupported`, with a message that says what to do: compiling a patch that leaves a
 region to HF's module (``skip_native``; apply with ``skip_native=False`` to compile), gradient
 checkpointing under compile, attention implementations other than sdpa/eager (normal mode),

@@ -12,7 +12,6 @@ from engineprofiles.store import get_profile
 from ..errors import (
     AlreadyPatched,
     CapabilityMismatch,
-    CompileUnsupported,
     ExactModeUnavailable,
     ProfileMismatch,
     RegionUnavailable,
@@ -22,8 +21,7 @@ from . import forwards as fw
 from . import opaque
 from .carry import Stash
 from .families import NATIVE, Decoder, check_decoder, families_text, find_decoders
-from .guard import (COMPILED_BEFORE_MESSAGE, compiled_modules, checkpointing_hook, hold_eager_numerics, native_message,
-                    refusal_hook)
+from .guard import checkpointing_hook, hold_eager_numerics, native_message, refusal_hook
 from .handle import ACTIVE, PATCHED_ATTR, PatchHandle
 
 
@@ -42,9 +40,6 @@ def _check_dtype(d: Decoder, profile: Profile, act: torch.dtype) -> None:
 
 
 def _check_patchable(model: torch.nn.Module, decoders: list[Decoder]) -> None:
-    compiled = compiled_modules(model)
-    if compiled:
-        raise CompileUnsupported(f"{COMPILED_BEFORE_MESSAGE}; compiled here: {', '.join(compiled[:4])}")
     for d in decoders:
         handle = ACTIVE.get(d.module)
         if handle is None:
@@ -127,8 +122,8 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
 
     Refused, with nothing changed: a model of no supported family (or whose modules were
     replaced), a RoPE type other than default, a profile whose dtype is not the model's or that
-    records a region as unavailable, a model compiled before it is patched (patch first, then
-    compile), a model already patched (:class:`AlreadyPatched`: applying twice is an error).
+    records a region as unavailable, a model already patched (:class:`AlreadyPatched`: applying
+    twice is an error).
 
     ``torch.compile(model)`` of the patched model computes the same bits as the eager patched
     model, forward and backward; what it refuses, and the process-wide Inductor setting a patch

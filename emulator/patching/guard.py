@@ -3,7 +3,8 @@ model's bits, and what is refused.
 
 A patched model compiles (``torch.compile(model)``, the default Inductor backend, whole or layer by
 layer) to the same bits as the eager patched model, forward and backward
-(tests/emulator/test_compile.py), because:
+(tests/emulator/test_compile.py). A model compiled before it is patched works too: the compiled
+code guards on the modules' forwards, so its next call compiles the patched model. Because:
 
 * every emulated region (and exact mode's attention) is a custom op (emulator/ops/), which Inductor
   calls as an opaque operation: it can neither drop a rounding inside nor fuse into it;
@@ -18,7 +19,6 @@ layer) to the same bits as the eager patched model, forward and backward
 
 Refused with :class:`CompileUnsupported` (each message says what to do instead):
 
-* a model compiled before it is patched (apply time): Dynamo traced the unpatched forwards;
 * a patch that leaves a region to HF's own module (``skip_native``; when traced, wherever
   compiling starts): Inductor would compile HF's code for it, not as eager HF rounds;
 * gradient checkpointing (when traced): a checkpointed layer does not hand the residual stream
@@ -40,25 +40,6 @@ from typing import Any
 import torch
 
 from ..errors import CompileUnsupported
-
-COMPILED_BEFORE_MESSAGE = (
-    "apply_profile was given a model (or a module of it) that torch.compile already wraps; the compiled code "
-    "was traced from the unpatched forwards and would not run the patch. Apply the profile to the plain model "
-    "first, then compile it: handle = emulator.apply_profile(model, profile); model = torch.compile(model)"
-)
-
-
-def compiled_modules(model: torch.nn.Module) -> list[str]:
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # pragma: no cover
-        OptimizedModule = ()  # type: ignore[assignment]
-    found = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, OptimizedModule) or getattr(mod, "_compiled_call_impl", None) is not None:
-            found.append(name or type(mod).__name__)
-    return found
-
 
 def refusal(message: str):
     """A function that, called where torch.compile traces, raises :class:`CompileUnsupported`

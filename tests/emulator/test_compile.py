@@ -119,6 +119,27 @@ def test_layers_compiled_one_by_one_are_bit_equal():
     assert_same_step(got, want, "layers compiled one by one")
 
 
+@pytest.mark.parametrize("how", ["wrapper", "layers"])
+def test_a_model_compiled_before_it_is_patched_recompiles_with_the_patch(how):
+    model = tiny_model("qwen2", seed=1)
+    model.train()
+    b = batch(model)
+    if how == "wrapper":
+        run = torch.compile(model)
+    else:
+        for layer in model.model.layers:
+            layer.compile()
+        run = model
+    plain = step(run, model, *b)  # compiled without the patch
+    with emulator.apply_profile(run, INSITU):  # the wrapper too: its modules are the model's
+        got = step(run, model, *b)
+        for layer in model.model.layers:
+            layer._compiled_call_impl = None
+        want = step(model, model, *b)
+    assert_same_step(got, want, f"compiled ({how}) before patching")
+    assert differing(got, plain)
+
+
 # -- what makes it bit-equal, checked to matter -----------------------------------------------------
 
 

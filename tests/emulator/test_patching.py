@@ -16,7 +16,7 @@ import emulator
 from emulator import functional as F
 from emulator.errors import ProfileMismatch, RegionUnavailable
 from emulator.patching import (
-    NATIVE, AlreadyPatched, CompileUnsupported, ResidualStreamLost, UnsupportedModel, patched_modules,
+    NATIVE, AlreadyPatched, ResidualStreamLost, UnsupportedModel, patched_modules,
 )
 from engineprofiles.models import tiny_inputs, tiny_model
 from engineprofiles.probe.adapters.transformers import CAPTURE, TransformersAdapter, _register_capture
@@ -431,21 +431,6 @@ def test_applying_twice_is_an_error_and_keeps_the_first_patch():
             with torch.no_grad():
                 assert_same_bits(model(ids).logits, want, "first patch after a refused second one")
             assert h.active
-
-
-def test_a_model_compiled_before_it_is_patched_is_refused():
-    # Compiling a patched model works (tests/emulator/test_compile.py); a model compiled first was
-    # traced without the patch, so the patch must come first.
-    model = tiny_model("qwen2", seed=1)
-    compiled = torch.compile(model)
-    state = model_state(model)
-    with pytest.raises(CompileUnsupported, match="first, then compile"):
-        emulator.apply_profile(compiled, ALL_EMULATED)
-    model.model.layers[0].compile()
-    with pytest.raises(CompileUnsupported, match="model.layers.0"):
-        emulator.apply_profile(model, ALL_EMULATED)
-    model.model.layers[0]._compiled_call_impl = None
-    assert_untouched(model, state)
 
 
 def test_a_model_whose_rope_frequencies_were_rounded_gets_the_engines_fp32_frequencies():
