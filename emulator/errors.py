@@ -41,7 +41,9 @@ class AlreadyPatched(PatchError):
 
 
 class CompileUnsupported(PatchError):
-    """torch.compile and a patched model: the compiled code would not round where the profile says."""
+    """torch.compile and a patched model in a configuration whose compiled code would not compute the
+    eager patched model's bits (native regions, gradient checkpointing, ...; see
+    emulator.patching.guard); raised when torch.compile traces the patched model."""
 
 
 class ExactModeUnavailable(PatchError):

@@ -34,16 +34,22 @@ transcendentals, so all backends agree on it bit for bit.
 
 Choose the backend with the ``EMULATOR_BACKEND`` environment variable (read at each call) or
 with the :func:`use_backend` context manager, which wins over the variable.
+
+Under ``torch.compile`` each function calls its region as a ``torch.library`` custom op
+(``torch.ops.emulator.<region>``, forward and backward), which Inductor calls as one opaque
+operation, so compiled code computes the eager bits (the same implementation runs). The backend
+is the one requested when the code is traced; the op checks at run time that it still is
+(:class:`~emulator.errors.BackendError` otherwise: ``torch.compiler.reset()`` recompiles). Pass a
+:class:`~engineprofiles.regions.Point` (``profile.point(region)``) in compiled code: resolving a
+Profile reads its schema, which torch.compile runs outside the graph (a graph break).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math as _math
 import os
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Union
 
 import torch
 
@@ -52,17 +58,15 @@ from engineprofiles.rounding import ACT_DTYPES
 from engineprofiles.schema import Profile, load_profile
 from engineprofiles.store import resolve
 
-from .errors import BackendError, InputError, ProfileMismatch, RegionUnavailable
-from .ops import _utils
-from .ops.rmsnorm import AddRMSNormFunction, RMSNormFunction
-from .ops.rope import RoPEFunction, _rope_fwd_kernel
-from .ops.swiglu import SwiGLUFunction
+from .errors import InputError, ProfileMismatch, RegionUnavailable
+from .ops._backend import BACKENDS, ENV_VAR, backend_for, current_backend, traced_backend_for, use_backend
+from .ops._utils import point_key
+from .ops.attention import ExactAttentionFunction, attention_op
+from .ops.rmsnorm import AddRMSNormFunction, RMSNormFunction, add_rmsnorm_op, rmsnorm_op
+from .ops.rope import RoPEFunction, rope_op
+from .ops.swiglu import SwiGLUFunction, swiglu_op
 
 ProfileLike = Union[Profile, str, os.PathLike, Point]
-
-BACKENDS = ("auto", "triton", "reference", "reference-portable", "reference-inductor")
-ENV_VAR = "EMULATOR_BACKEND"
-_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("emulator_backend", default=None)
 
 __all__ = ["rope", "swiglu", "rmsnorm", "add_rmsnorm", "attention", "use_backend", "current_backend", "BACKENDS", "ENV_VAR"]
 
@@ -70,42 +74,15 @@ __all__ = ["rope", "swiglu", "rmsnorm", "add_rmsnorm", "attention", "use_backend
 # -- backend choice -------------------------------------------------------------------------------
 
 
-def _check_backend_name(name: str, where: str) -> str:
-    if name not in BACKENDS:
-        raise BackendError(f"unknown emulator backend {name!r} ({where}); choose one of {', '.join(BACKENDS)}")
-    return name
-
-
-@contextlib.contextmanager
-def use_backend(name: str) -> Iterator[None]:
-    """Run the emulator's functions in this block with backend ``name`` (see the module doc)."""
-    token = _override.set(_check_backend_name(name, "use_backend"))
-    try:
-        yield
-    finally:
-        _override.reset(token)
-
-
-def current_backend() -> str:
-    """The backend requested now: use_backend's, else $EMULATOR_BACKEND, else ``auto``."""
-    name = _override.get()
-    if name is not None:
-        return name
-    return _check_backend_name(os.environ.get(ENV_VAR) or "auto", f"${ENV_VAR}")
-
-
 def _backend_for(device: torch.device, override: str | None = None) -> str:
-    name = _check_backend_name(override, "backend=") if override is not None else current_backend()
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "reference"
-    if name == "triton" and device.type != "cuda" and not _utils.interpreted(_rope_fwd_kernel):
-        raise BackendError(
-            f"the triton backend was requested for {device.type} tensors, but the emulator's Triton kernels "
-            "were compiled for GPUs: to run them on CPU through the Triton interpreter, set TRITON_INTERPRET=1 "
-            "in the environment before emulator is first imported (e.g. TRITON_INTERPRET=1 EMULATOR_BACKEND=triton "
-            "python ...); or use backend 'reference-portable', which computes the same bits in torch"
-        )
-    return name
+    """The backend of a call on ``device`` (``override``: the call's own, exact mode's norms); under
+    torch.compile the one requested when it traces (each op checks at run time that it is still the
+    one requested: ops/_backend.py)."""
+    if override is not None:
+        return backend_for(device, override)
+    if torch.compiler.is_compiling():
+        return traced_backend_for(device.type)
+    return backend_for(device)
 
 
 # -- profiles -------------------------------------------------------------------------------------
@@ -139,12 +116,10 @@ def _point_and_dtype(
                 f"{op}: input dtype {t.dtype} is not an activation dtype; pass dtype=torch.bfloat16 or "
                 "torch.float16 to say which dtype the sites round to"
             )
+        if t.dtype in act_dtypes and t.dtype != act:
+            raise ProfileMismatch(f"{op}: the input is {t.dtype}, but dtype={dtype} was given; the sites round to one "
+                                  "activation dtype: run the model in it")
         return profile, act
-    if not isinstance(profile, (Profile, str, os.PathLike)):
-        raise ProfileMismatch(
-            f"{op}: profile must be a Profile, a path, a shipped name or a lattice Point of region {region!r}; "
-            f"got {type(profile).__name__}"
-        )
     prof = _profile(profile)
     name = prof.canonical_name
     if not prof.available(region):
@@ -170,13 +145,12 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_float(op: str, **tensors: torch.Tensor) -> None:
-    for k, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"{op}: {k} must be a tensor, got {type(t).__name__}")
     devices = {t.device for t in tensors.values()}
     if len(devices) > 1:
         raise InputError(f"{op}: all tensors must be on one device, got {', '.join(f'{k} on {t.device}' for k, t in tensors.items())}")
     for k, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{op}: {k} must be a tensor, got {type(t).__name__}")
         if t.dtype not in _FLOATS:
             raise InputError(f"{op}: {k} must be float32, bfloat16 or float16, got {t.dtype}")
 
@@ -241,7 +215,11 @@ def rope(
     x3 = x.reshape(t, heads, head_dim)
     cs3 = _rows_last(cos.float().reshape(t, hc, half))
     sn3 = _rows_last(sin.float().reshape(t, hc, half))
-    y = RoPEFunction.apply(x3, cs3, sn3, point, style, act, _backend_for(x.device))
+    backend = _backend_for(x.device)
+    if torch.compiler.is_compiling():
+        y = rope_op(x3, cs3, sn3, point_key(point), style, act, backend)
+    else:
+        y = RoPEFunction.apply(x3, cs3, sn3, point, style, act, backend)
     return y.reshape(x.shape)
 
 
@@ -249,10 +227,11 @@ def _rows_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, profile: ProfileLike) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, profile: ProfileLike, *,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
     """silu(gate) * up at the profile's SwiGLU point; gate and up in the activation dtype, same
     shape (any leading shape, any strides, e.g. the two halves of a fused gate_up output).
-    Gradients flow to gate and up."""
+    ``dtype``: the activation dtype, if given (gate must be in it). Gradients flow to gate and up."""
     op = "swiglu"
     _check_float(op, gate=gate, up=up)
     if gate.shape != up.shape:
@@ -261,10 +240,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, profile: ProfileLike) -> torch.
         raise InputError(f"swiglu: gate and up must both be bfloat16 or both float16, got {gate.dtype} and {up.dtype}")
     if gate.dim() == 0:
         raise InputError("swiglu: gate and up must have at least one dim")
-    point, act = _point_and_dtype(profile, "swiglu", op, gate, None)
+    point, act = _point_and_dtype(profile, "swiglu", op, gate, dtype)
     n = gate.shape[-1]
     m = _math.prod(gate.shape[:-1])
-    y = SwiGLUFunction.apply(gate.reshape(m, n), up.reshape(m, n), point, act, _backend_for(gate.device))
+    g2, u2, backend = gate.reshape(m, n), up.reshape(m, n), _backend_for(gate.device)
+    if torch.compiler.is_compiling():
+        y = swiglu_op(g2, u2, point_key(point), act, backend)
+    else:
+        y = SwiGLUFunction.apply(g2, u2, point, act, backend)
     return y.reshape(gate.shape)
 
 
@@ -292,7 +275,11 @@ def rmsnorm(
     _check_float(op, x=x, weight=weight)
     _check_norm(op, x, weight, eps)
     point, act = _point_and_dtype(profile, "rmsnorm", op, x, dtype)
-    y = RMSNormFunction.apply(_rows(x), weight.contiguous(), float(eps), point, act, _backend_for(x.device, backend))
+    x2, w, backend = _rows(x), weight.contiguous(), _backend_for(x.device, backend)
+    if torch.compiler.is_compiling():
+        y = rmsnorm_op(x2, w, float(eps), point_key(point), act, backend)
+    else:
+        y = RMSNormFunction.apply(x2, w, float(eps), point, act, backend)
     return y.reshape(x.shape)
 
 
@@ -321,9 +308,11 @@ def add_rmsnorm(
     if residual.shape != x.shape:
         raise InputError(f"add_rmsnorm: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
     point, act = _point_and_dtype(profile, "add_rmsnorm", op, x, dtype)
-    out, res = AddRMSNormFunction.apply(
-        _rows(x), _rows(residual), weight.contiguous(), float(eps), point, act, _backend_for(x.device, backend)
-    )
+    x2, r2, w, backend = _rows(x), _rows(residual), weight.contiguous(), _backend_for(x.device, backend)
+    if torch.compiler.is_compiling():
+        out, res = add_rmsnorm_op(x2, r2, w, float(eps), point_key(point), act, backend)
+    else:
+        out, res = AddRMSNormFunction.apply(x2, r2, w, float(eps), point, act, backend)
     return out.reshape(x.shape), res.reshape(x.shape)
 
 
@@ -355,8 +344,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, profile: Profil
     ([B, 1, Tq, Tk], boolean or additive). ``scale`` defaults to D**-0.5. Returns [B, Hq, Tq, D].
     The backward is the gradient of FP32 softmax attention (the output rounding straight-through).
     Every backend runs the bit-portable torch reference (no kernel)."""
-    from .ops.attention import ExactAttentionFunction
-
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"attention: {name} must be a tensor, got {type(t).__name__}")
@@ -375,5 +362,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, profile: Profil
         raise InputError(f"attention: q, k and v must share an activation dtype (bfloat16 or float16); got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
     s = float(scale) if scale is not None else q.shape[-1] ** -0.5
+    if torch.compiler.is_compiling():
+        return attention_op(q, k, v, point_key(point), s, attention_mask)
     return ExactAttentionFunction.apply(q, k, v, point, s, attention_mask)
 

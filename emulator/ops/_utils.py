@@ -3,10 +3,14 @@ torch mirror of the kernels' fixed-order reductions."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 import triton
 
 from engineprofiles import portable
+from engineprofiles.regions import Point
 from engineprofiles.rounding import act_dtype, round_to
 
 # Kernels are compiled with multiply-add contraction off, so a*b + c is two roundings on every
@@ -122,3 +126,41 @@ def grouped_row_sum(t: torch.Tensor) -> torch.Tensor:
     for j in range(p):
         total = total + acc[j]
     return total
+
+
+# -- torch.compile: the regions as custom ops ---------------------------------------------------
+# Each region is also registered as a torch.library custom op (namespace ``emulator``), forward and
+# backward, so that torch.compile calls it as one opaque operation: Inductor can neither drop its
+# internal roundings nor fuse other code into it. Custom ops take strings, not Points: a point
+# travels as its key, which names every site and variant in order.
+
+
+def point_key(point: Point) -> str:
+    """``"region:site=value,..."``; :func:`point_from_key` gives the same point back."""
+    return point.region + ":" + ",".join(f"{k}={v}" for k, v in point._items)
+
+
+@functools.lru_cache(maxsize=None)
+def point_from_key(key: str) -> Point:
+    region, _, items = key.partition(":")
+    return Point(region, dict(kv.split("=", 1) for kv in items.split(",") if kv))
+
+
+def owned(t: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
+    """A custom op's output: contiguous (its fake says so) and sharing no memory with an input
+    (custom ops may not alias). Neither changes a bit."""
+    t = t.contiguous()
+    for i in inputs:
+        if i is not None and i.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() and t.numel():
+            return t.clone()
+    return t
+
+
+@contextlib.contextmanager
+def autograd_in_op():
+    """Record autograd inside a custom op's implementation (a backward computed as the gradient of
+    an FP32 function, exactly as eager autograd computes it). The dispatcher runs implementations
+    below the autograd keys, where nothing is recorded; this lets them through for the block."""
+    exclude = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutogradFunctionality)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield

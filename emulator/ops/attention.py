@@ -5,7 +5,8 @@ No Triton kernel: the forward is the bit-portable torch reference
 kernel bit for bit on any device (it is written with IEEE FP32 operations and exact fused
 multiply-adds), one sequence at a time. The backward is the gradient of softmax(q k^T * scale) v
 computed in FP32 with the output rounding treated as identity (straight-through), like the
-regions' backwards.
+regions' backwards. Both are also the custom op ``emulator::attention`` (for torch.compile); its
+backward runs eager autograd inside the op (``_utils.autograd_in_op``).
 
 Masks: HF hands attention a 4D mask ([B, 1, Tq, Tk], boolean "may attend" or additive) or None
 (causal, the queries being the last Tq positions). The engine runs each sequence alone, so the
@@ -20,6 +21,8 @@ from __future__ import annotations
 import torch
 
 from engineprofiles.regions import Point, attention_fp32, attention_ref
+
+from ._utils import autograd_in_op, owned, point_from_key
 
 
 def allowed_from_mask(mask: torch.Tensor | None, b: int, tq: int, tk: int, device: torch.device) -> torch.Tensor | None:
@@ -75,6 +78,16 @@ def fp32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return torch.stack(outs)
 
 
+def exact_backward(q, k, v, grad, scale: float, mask, need: tuple[bool, bool, bool]):
+    """(dq, dk, dv), None where ``need`` says no: the gradient of FP32 attention."""
+    with autograd_in_op():
+        qf, kf, vf = (t.detach().float().requires_grad_(n) for t, n in zip((q, k, v), need))
+        out = fp32_attention(qf, kf, vf, scale, mask)
+        wrt = [t for t in (qf, kf, vf) if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wrt, grad.float())) if wrt else iter(())
+    return tuple(next(grads).to(t.dtype) if n else None for t, n in zip((q, k, v), need))
+
+
 class ExactAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, point, scale, mask):  # type: ignore[override]
@@ -85,11 +98,49 @@ class ExactAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v = ctx.saved_tensors
-        need = ctx.needs_input_grad[:3]
-        with torch.enable_grad():
-            qf, kf, vf = (t.detach().float().requires_grad_(n) for t, n in zip((q, k, v), need))
-            out = fp32_attention(qf, kf, vf, ctx.scale, ctx.mask)
-            wrt = [t for t in (qf, kf, vf) if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wrt, grad.float())) if wrt else iter(())
-        res = [next(grads).to(t.dtype) if n else None for t, n in zip((q, k, v), need)]
-        return res[0], res[1], res[2], None, None, None
+        dq, dk, dv = exact_backward(q, k, v, grad, ctx.scale, ctx.mask, tuple(ctx.needs_input_grad[:3]))
+        return dq, dk, dv, None, None, None
+
+
+# -- torch.compile: the same forward and backward as opaque custom ops (see _utils.point_key) ---
+
+
+@torch.library.custom_op("emulator::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: str, scale: float,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+    return owned(exact_forward(q, k, v, point_from_key(point), scale, mask), q, k, v, mask)
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, point, scale, mask):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("emulator::attention_bwd", mutates_args=())
+def attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, scale: float,
+                     mask: torch.Tensor | None, need: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv); an empty tensor where ``need`` says no gradient."""
+    grads = exact_backward(q, k, v, grad, scale, mask, tuple(need))
+    return tuple(owned(g, q, k, v, grad, mask) if g is not None else t.new_empty(0)  # type: ignore[return-value]
+                 for g, t in zip(grads, (q, k, v)))
+
+
+@attention_bwd_op.register_fake
+def _attention_bwd_fake(q, k, v, grad, scale, mask, need):
+    return tuple(t.new_empty(t.shape) if n else t.new_empty(0) for t, n in zip((q, k, v), need))
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, _, scale, mask = inputs
+    ctx.save_for_backward(q, k, v, mask)
+    ctx.scale = scale
+
+
+def _attention_op_backward(ctx, grad):
+    q, k, v, mask = ctx.saved_tensors
+    need = [bool(n) for n in ctx.needs_input_grad[:3]]
+    dq, dk, dv = attention_bwd_op(q, k, v, grad, ctx.scale, mask, need)
+    return (*(g if n else None for g, n in zip((dq, dk, dv), need)), None, None, None)
+
+
+attention_op.register_autograd(_attention_op_backward, setup_context=_attention_setup)

@@ -1,4 +1,6 @@
-"""RMSNorm and residual-add RMSNorm: Triton kernels, launchers and one autograd Function per form.
+"""RMSNorm and residual-add RMSNorm: Triton kernels, launchers and one autograd Function per form;
+the same forwards and backwards as custom ops (``emulator::rmsnorm``, ``emulator::add_rmsnorm``, for
+torch.compile).
 
 Semantics: :func:`engineprofiles.regions.rmsnorm.rmsnorm_ref` and ``add_rmsnorm_ref`` with
 ``math="portable"`` (read them side by side; each rounding site is marked ``# site: <name>`` in
@@ -28,9 +30,10 @@ import triton.language as tl
 from engineprofiles import portable
 from engineprofiles.regions import ROUNDED, Point, add_rmsnorm_ref, rmsnorm_ref
 
-from . import tl_portable, tl_rounding
+from . import _backend, tl_portable, tl_rounding
 from ._utils import (
-    LANES, LAUNCH, LOG2_LANES, cast_like, gpu_tiles, grouped_row_sum, is_fp16, kind, kview, lane_sum, next_pow2, row_groups,
+    LANES, LAUNCH, LOG2_LANES, cast_like, gpu_tiles, grouped_row_sum, is_fp16, kind, kview, lane_sum, next_pow2, owned,
+    point_from_key, row_groups,
 )
 
 RSTD_MODES = {"rsqrt": 0, "reciprocal_sqrt": 1, "divide": 2}
@@ -336,28 +339,47 @@ def _ref(fn, backend: str):
     compiled = _COMPILED[fn.__name__]
 
     def run(*args, **kwargs):
-        import torch._dynamo
+        from torch._dynamo import config as dynamo_config
 
         # one graph per (point, eps, dtypes): more than Dynamo's default of 8 (an in-situ fit tries dozens)
-        with torch._dynamo.config.patch(cache_size_limit=1024, accumulated_cache_size_limit=4096):
+        with dynamo_config.patch(cache_size_limit=1024, accumulated_cache_size_limit=4096):
             return compiled(*args, **kwargs)
 
     return run
 
 
-class RMSNormFunction(torch.autograd.Function):
-    """y = rmsnorm(x) * weight at ``point`` (plain form); x2 [M, N], weight [N].
+def rmsnorm_forward(x2, weight, eps: float, point: Point, act: torch.dtype, backend: str) -> torch.Tensor:
+    """The plain form's forward on ``backend``: "triton", "reference" (rmsnorm_ref with torch math)
+    or "reference-portable" (portable math; bit-exact to the kernels)."""
+    if backend == "triton":
+        return rmsnorm_fwd(x2, weight, eps, point, act)
+    return _ref(rmsnorm_ref, backend)(x2, weight, eps, point, math=_math(backend), dtype=act)
 
-    ``backend``: "triton", "reference" (rmsnorm_ref with torch math, torch backward),
-    "reference-inductor" (the same, its forward compiled by Inductor) or "reference-portable"
-    (portable math; bit-exact to the kernels, forward and backward)."""
+
+def add_rmsnorm_forward(x2, r2, weight, eps: float, point: Point, act: torch.dtype,
+                        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "triton":
+        return add_rmsnorm_fwd(x2, r2, weight, eps, point, act)
+    return _ref(add_rmsnorm_ref, backend)(x2, r2, weight, eps, point, math=_math(backend), dtype=act)
+
+
+def norm_backward(x2, r2, weight, eps: float, dy, dro, backend: str):
+    """(dx, d_residual or None, dw) of either form (r2 None: plain); ``dy`` None: the output got
+    no gradient; ``dro`` None: the residual passed on got none."""
+    if dy is None:
+        dy = torch.zeros(x2.shape, dtype=torch.float32, device=x2.device)
+    if backend == "triton":
+        return rmsnorm_bwd(x2, r2, weight, eps, dy, dro)
+    return rmsnorm_bwd_torch(x2, r2, weight, eps, dy, dro, _math(backend))
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """y = rmsnorm(x) * weight at ``point`` (plain form); x2 [M, N], weight [N]; ``backend`` as in
+    rmsnorm_forward."""
 
     @staticmethod
     def forward(ctx, x2, weight, eps: float, point: Point, act: torch.dtype, backend: str):
-        if backend == "triton":
-            y = rmsnorm_fwd(x2, weight, eps, point, act)
-        else:
-            y = _ref(rmsnorm_ref, backend)(x2, weight, eps, point, math=_math(backend), dtype=act)
+        y = rmsnorm_forward(x2, weight, eps, point, act, backend)
         ctx.save_for_backward(x2, weight)
         ctx.eps, ctx.backend = eps, backend
         return y
@@ -365,10 +387,7 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, weight = ctx.saved_tensors
-        if ctx.backend == "triton":
-            dx, _, dw = rmsnorm_bwd(x2, None, weight, ctx.eps, dy, None)
-        else:
-            dx, _, dw = rmsnorm_bwd_torch(x2, None, weight, ctx.eps, dy, None, _math(ctx.backend))
+        dx, _, dw = norm_backward(x2, None, weight, ctx.eps, dy, None, ctx.backend)
         return dx, dw, None, None, None, None
 
 
@@ -377,10 +396,7 @@ class AddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2, r2, weight, eps: float, point: Point, act: torch.dtype, backend: str):
-        if backend == "triton":
-            y, ro = add_rmsnorm_fwd(x2, r2, weight, eps, point, act)
-        else:
-            y, ro = _ref(add_rmsnorm_ref, backend)(x2, r2, weight, eps, point, math=_math(backend), dtype=act)
+        y, ro = add_rmsnorm_forward(x2, r2, weight, eps, point, act, backend)
         ctx.save_for_backward(x2, r2, weight)
         ctx.eps, ctx.backend = eps, backend
         ctx.set_materialize_grads(False)
@@ -389,10 +405,82 @@ class AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dro):
         x2, r2, weight = ctx.saved_tensors
-        if dy is None:
-            dy = torch.zeros(x2.shape, dtype=torch.float32, device=x2.device)
-        if ctx.backend == "triton":
-            dx, dr, dw = rmsnorm_bwd(x2, r2, weight, ctx.eps, dy, dro)
-        else:
-            dx, dr, dw = rmsnorm_bwd_torch(x2, r2, weight, ctx.eps, dy, dro, _math(ctx.backend))
+        dx, dr, dw = norm_backward(x2, r2, weight, ctx.eps, dy, dro, ctx.backend)
         return dx, dr, dw, None, None, None, None
+
+
+# -- torch.compile: the same forwards and backwards as opaque custom ops (see _utils.point_key) -
+
+
+def _out_dtype(point: Point, act: torch.dtype, site: str) -> torch.dtype:
+    return act if point[site] == ROUNDED else torch.float32
+
+
+@torch.library.custom_op("emulator::rmsnorm", mutates_args=())
+def rmsnorm_op(x2: torch.Tensor, weight: torch.Tensor, eps: float, point: str, act: torch.dtype,
+               backend: str) -> torch.Tensor:
+    _backend.check_traced(backend, x2.device)
+    return owned(rmsnorm_forward(x2, weight, eps, point_from_key(point), act, backend), x2, weight)
+
+
+@rmsnorm_op.register_fake
+def _rmsnorm_fake(x2, weight, eps, point, act, backend):
+    return x2.new_empty(x2.shape, dtype=_out_dtype(point_from_key(point), act, "output"))
+
+
+@torch.library.custom_op("emulator::add_rmsnorm", mutates_args=())
+def add_rmsnorm_op(x2: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor, eps: float, point: str,
+                   act: torch.dtype, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    _backend.check_traced(backend, x2.device)
+    y, ro = add_rmsnorm_forward(x2, r2, weight, eps, point_from_key(point), act, backend)
+    return owned(y, x2, r2, weight), owned(ro, x2, r2, weight)
+
+
+@add_rmsnorm_op.register_fake
+def _add_rmsnorm_fake(x2, r2, weight, eps, point, act, backend):
+    res_dtype = _out_dtype(point_from_key(point), act, "residual_out")
+    return x2.new_empty(x2.shape, dtype=act), x2.new_empty(x2.shape, dtype=res_dtype)
+
+
+@torch.library.custom_op("emulator::rmsnorm_bwd", mutates_args=())
+def rmsnorm_bwd_op(x2: torch.Tensor, r2: torch.Tensor | None, weight: torch.Tensor, eps: float, dy: torch.Tensor | None,
+                   dro: torch.Tensor | None, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both forms' backward: (dx, d_residual, dw); d_residual is an empty tensor for the plain form."""
+    dx, dr, dw = norm_backward(x2, r2, weight, eps, dy, dro, backend)
+    ins = (x2, r2, weight, dy, dro)
+    return owned(dx, *ins), owned(dr, *ins) if dr is not None else x2.new_empty(0), owned(dw, *ins)
+
+
+@rmsnorm_bwd_op.register_fake
+def _rmsnorm_bwd_fake(x2, r2, weight, eps, dy, dro, backend):
+    dr = r2.new_empty(r2.shape) if r2 is not None else x2.new_empty(0)
+    return x2.new_empty(x2.shape), dr, weight.new_empty(weight.shape)
+
+
+def _rmsnorm_setup(ctx, inputs, output):
+    x2, weight, eps, _, _, backend = inputs
+    ctx.save_for_backward(x2, weight)
+    ctx.eps, ctx.backend = eps, backend
+
+
+def _rmsnorm_op_backward(ctx, dy):
+    x2, weight = ctx.saved_tensors
+    dx, _, dw = rmsnorm_bwd_op(x2, None, weight, ctx.eps, dy, None, ctx.backend)
+    return dx, dw, None, None, None, None
+
+
+def _add_rmsnorm_setup(ctx, inputs, output):
+    x2, r2, weight, eps, _, _, backend = inputs
+    ctx.save_for_backward(x2, r2, weight)
+    ctx.eps, ctx.backend = eps, backend
+    ctx.set_materialize_grads(False)  # as AddRMSNormFunction: an output without a gradient adds nothing
+
+
+def _add_rmsnorm_op_backward(ctx, dy, dro):
+    x2, r2, weight = ctx.saved_tensors
+    dx, dr, dw = rmsnorm_bwd_op(x2, r2, weight, ctx.eps, dy, dro, ctx.backend)
+    return dx, dr, dw, None, None, None, None
+
+
+rmsnorm_op.register_autograd(_rmsnorm_op_backward, setup_context=_rmsnorm_setup)
+add_rmsnorm_op.register_autograd(_add_rmsnorm_op_backward, setup_context=_add_rmsnorm_setup)

@@ -1,4 +1,5 @@
-"""RoPE: Triton kernels, launchers and the autograd Function, for any point of the RoPE lattice.
+"""RoPE: Triton kernels, launchers and the autograd Function, for any point of the RoPE lattice;
+the same forward and backward as custom ops (``emulator::rope``, for torch.compile).
 
 Semantics: :func:`engineprofiles.regions.rope.rope_ref` (read it side by side; each rounding site
 is marked ``# site: <name>`` in both). RoPE has no transcendentals inside (cos/sin come in as FP32
@@ -17,8 +18,8 @@ import triton.language as tl
 
 from engineprofiles.regions import ROUNDED, Point, rope_ref
 
-from . import tl_rounding
-from ._utils import LAUNCH, cast_like, gpu_tiles, is_fp16, kind, kview, next_pow2
+from . import _backend, tl_rounding
+from ._utils import LAUNCH, cast_like, gpu_tiles, is_fp16, kind, kview, next_pow2, owned, point_from_key
 
 FMA_MODES = {"none": 0, "cos": 1, "sin": 2}
 
@@ -228,18 +229,27 @@ def rope_bwd_torch(g3: torch.Tensor, cs3: torch.Tensor, sn3: torch.Tensor, style
     return cast_like(dx, dx_dtype)
 
 
-class RoPEFunction(torch.autograd.Function):
-    """y = rope(x) at ``point``; x3 [T, H, D], cos/sin FP32 [T, 1 or H, D_rot/2].
+def rope_forward(x3, cs3, sn3, point: Point, style: str, act: torch.dtype, backend: str) -> torch.Tensor:
+    """The forward on ``backend``: "triton" (the kernel), or "reference"/"reference-portable"
+    (rope_ref; RoPE's math does not depend on the math mode)."""
+    if backend == "triton":
+        return rope_fwd(x3, cs3, sn3, point, style, act)
+    return rope_ref(x3, cs3, sn3, point, style=style, dtype=act)
 
-    ``backend``: "triton" (the kernels), or "reference"/"reference-portable" (rope_ref, and the
-    backward in torch; RoPE's math does not depend on the math mode)."""
+
+def rope_backward(gy, cs3, sn3, style: str, x_dtype: torch.dtype, backend: str) -> torch.Tensor:
+    if backend == "triton":
+        return rope_bwd(gy, cs3, sn3, style, x_dtype)
+    return rope_bwd_torch(gy, cs3, sn3, style, x_dtype)
+
+
+class RoPEFunction(torch.autograd.Function):
+    """y = rope(x) at ``point``; x3 [T, H, D], cos/sin FP32 [T, 1 or H, D_rot/2]; ``backend`` as
+    in rope_forward."""
 
     @staticmethod
     def forward(ctx, x3, cs3, sn3, point: Point, style: str, act: torch.dtype, backend: str):
-        if backend == "triton":
-            y = rope_fwd(x3, cs3, sn3, point, style, act)
-        else:
-            y = rope_ref(x3, cs3, sn3, point, style=style, dtype=act)
+        y = rope_forward(x3, cs3, sn3, point, style, act, backend)
         ctx.save_for_backward(cs3, sn3)
         ctx.style, ctx.backend, ctx.x_dtype = style, backend, x3.dtype
         return y
@@ -247,8 +257,45 @@ class RoPEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         cs3, sn3 = ctx.saved_tensors
-        if ctx.backend == "triton":
-            dx = rope_bwd(gy, cs3, sn3, ctx.style, ctx.x_dtype)
-        else:
-            dx = rope_bwd_torch(gy, cs3, sn3, ctx.style, ctx.x_dtype)
+        dx = rope_backward(gy, cs3, sn3, ctx.style, ctx.x_dtype, ctx.backend)
         return dx, None, None, None, None, None, None
+
+
+# -- torch.compile: the same forward and backward as opaque custom ops (see _utils.point_key) ---
+
+
+@torch.library.custom_op("emulator::rope", mutates_args=())
+def rope_op(x3: torch.Tensor, cs3: torch.Tensor, sn3: torch.Tensor, point: str, style: str, act: torch.dtype,
+            backend: str) -> torch.Tensor:
+    _backend.check_traced(backend, x3.device)
+    return owned(rope_forward(x3, cs3, sn3, point_from_key(point), style, act, backend), x3, cs3, sn3)
+
+
+@rope_op.register_fake
+def _rope_fake(x3, cs3, sn3, point, style, act, backend):
+    return x3.new_empty(x3.shape, dtype=act)
+
+
+@torch.library.custom_op("emulator::rope_bwd", mutates_args=())
+def rope_bwd_op(gy: torch.Tensor, cs3: torch.Tensor, sn3: torch.Tensor, style: str, x_dtype: torch.dtype,
+                backend: str) -> torch.Tensor:
+    return owned(rope_backward(gy, cs3, sn3, style, x_dtype, backend), gy, cs3, sn3)
+
+
+@rope_bwd_op.register_fake
+def _rope_bwd_fake(gy, cs3, sn3, style, x_dtype, backend):
+    return gy.new_empty(gy.shape, dtype=x_dtype)
+
+
+def _rope_setup(ctx, inputs, output):
+    x3, cs3, sn3, _, style, _, backend = inputs
+    ctx.save_for_backward(cs3, sn3)
+    ctx.style, ctx.backend, ctx.x_dtype = style, backend, x3.dtype
+
+
+def _rope_op_backward(ctx, gy):
+    cs3, sn3 = ctx.saved_tensors
+    return rope_bwd_op(gy, cs3, sn3, ctx.style, ctx.x_dtype, ctx.backend), None, None, None, None, None, None
+
+
+rope_op.register_autograd(_rope_op_backward, setup_context=_rope_setup)

@@ -1,4 +1,5 @@
-"""SwiGLU: Triton kernels, launchers and the autograd Function, for any point of the SwiGLU lattice.
+"""SwiGLU: Triton kernels, launchers and the autograd Function, for any point of the SwiGLU lattice;
+the same forward and backward as custom ops (``emulator::swiglu``, for torch.compile).
 
 Semantics: :func:`engineprofiles.regions.swiglu.swiglu_ref` with ``math="portable"`` (read it side
 by side; the rounding site is marked ``# site: silu`` in both). The kernel computes silu with the
@@ -20,8 +21,8 @@ import triton.language as tl
 from engineprofiles import portable
 from engineprofiles.regions import ROUNDED, Point, swiglu_ref
 
-from . import tl_portable, tl_rounding
-from ._utils import LAUNCH, cast_like, gpu_tiles, is_fp16, kind, kview, next_pow2
+from . import _backend, tl_portable, tl_rounding
+from ._utils import LAUNCH, cast_like, gpu_tiles, is_fp16, kind, kview, next_pow2, owned, point_from_key
 
 SILU_FORMULAS = {"fused": 0, "x_sigmoid": 1, "x_div_1p_exp": 2}
 
@@ -131,19 +132,26 @@ def swiglu_bwd_torch(
     return cast_like(dg, gate.dtype), cast_like(du, up.dtype)
 
 
-class SwiGLUFunction(torch.autograd.Function):
-    """y = swiglu(gate, up) at ``point``; gate2/up2 [M, N].
+def swiglu_forward(gate2, up2, point: Point, act: torch.dtype, backend: str) -> torch.Tensor:
+    """The forward on ``backend``: "triton", "reference" (swiglu_ref with torch math) or
+    "reference-portable" (portable math; bit-exact to the kernels)."""
+    if backend == "triton":
+        return swiglu_fwd(gate2, up2, point, act)
+    return swiglu_ref(gate2, up2, point, math="portable" if backend == "reference-portable" else "torch")
 
-    ``backend``: "triton", "reference" (swiglu_ref with torch math, torch backward) or
-    "reference-portable" (portable math; bit-exact to the kernels, forward and backward)."""
+
+def swiglu_backward(gate2, up2, dy, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "triton":
+        return swiglu_bwd(gate2, up2, dy)
+    return swiglu_bwd_torch(gate2, up2, dy, "portable" if backend == "reference-portable" else "torch")
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """y = swiglu(gate, up) at ``point``; gate2/up2 [M, N]; ``backend`` as in swiglu_forward."""
 
     @staticmethod
     def forward(ctx, gate2, up2, point: Point, act: torch.dtype, backend: str):
-        if backend == "triton":
-            y = swiglu_fwd(gate2, up2, point, act)
-        else:
-            math = "portable" if backend == "reference-portable" else "torch"
-            y = swiglu_ref(gate2, up2, point, math=math)
+        y = swiglu_forward(gate2, up2, point, act, backend)
         ctx.save_for_backward(gate2, up2)
         ctx.backend = backend
         return y
@@ -151,8 +159,46 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         gate2, up2 = ctx.saved_tensors
-        if ctx.backend == "triton":
-            dg, du = swiglu_bwd(gate2, up2, dy)
-        else:
-            dg, du = swiglu_bwd_torch(gate2, up2, dy, "portable" if ctx.backend == "reference-portable" else "torch")
+        dg, du = swiglu_backward(gate2, up2, dy, ctx.backend)
         return dg, du, None, None, None
+
+
+# -- torch.compile: the same forward and backward as opaque custom ops (see _utils.point_key) ---
+
+
+@torch.library.custom_op("emulator::swiglu", mutates_args=())
+def swiglu_op(gate2: torch.Tensor, up2: torch.Tensor, point: str, act: torch.dtype, backend: str) -> torch.Tensor:
+    _backend.check_traced(backend, gate2.device)
+    return owned(swiglu_forward(gate2, up2, point_from_key(point), act, backend), gate2, up2)
+
+
+@swiglu_op.register_fake
+def _swiglu_fake(gate2, up2, point, act, backend):
+    return gate2.new_empty(gate2.shape, dtype=act)
+
+
+@torch.library.custom_op("emulator::swiglu_bwd", mutates_args=())
+def swiglu_bwd_op(gate2: torch.Tensor, up2: torch.Tensor, dy: torch.Tensor,
+                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    dg, du = swiglu_backward(gate2, up2, dy, backend)
+    return owned(dg, gate2, up2, dy), owned(du, gate2, up2, dy)
+
+
+@swiglu_bwd_op.register_fake
+def _swiglu_bwd_fake(gate2, up2, dy, backend):
+    return gate2.new_empty(gate2.shape), up2.new_empty(up2.shape)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    gate2, up2, _, _, backend = inputs
+    ctx.save_for_backward(gate2, up2)
+    ctx.backend = backend
+
+
+def _swiglu_op_backward(ctx, dy):
+    gate2, up2 = ctx.saved_tensors
+    dg, du = swiglu_bwd_op(gate2, up2, dy, ctx.backend)
+    return dg, du, None, None, None
+
+
+swiglu_op.register_autograd(_swiglu_op_backward, setup_context=_swiglu_setup)

@@ -23,7 +23,8 @@ model, so PEFT-wrapped and already-instantiated models work):
   HF's decoder loop passes one tensor between layers, so each patched layer returns
   ``h = m + residual`` (in the residual's dtype: an FP32 residual stream stays FP32) and records
   ``(m, residual)`` in a per-model stash keyed by where ``h`` lives (data pointer, shape, stride,
-  dtype; FSDP2's hooks re-wrap tensors, so not by identity). The next layer and the final norm
+  dtype; FSDP2's hooks re-wrap tensors, so not by identity; while torch.compile traces, by
+  identity, with the stash's lookup as the fallback outside the graph). The next layer and the final norm
   look their input up there. An entry lives exactly as long as ``h``'s storage (gradient
   checkpointing keeps it for the recompute); expired entries are dropped. The gradient reaches
   the previous layer through ``h`` (:class:`_Carry`), so reentrant checkpointing and FSDP2's
@@ -38,13 +39,24 @@ Emulated regions use the emulator's straight-through FP32 backward.
 All or nothing: every check runs before anything changes; a refused model is untouched.
 Applying a profile to a model that is already patched raises :class:`AlreadyPatched` (remove the
 first handle, then apply another). ``handle.remove()`` restores the original modules exactly.
-torch.compile of a patched model is refused (:class:`CompileUnsupported`): Inductor rewrites the
-rounding inside the code it compiles (the vLLM profiles measure exactly that), so a compiled
-patched model would no longer round where the profile says.
+
+torch.compile: ``torch.compile(model)`` of a patched model computes the eager patched model's bits,
+forward and backward (:mod:`.guard` says how): the regions and exact mode's attention are custom
+ops Inductor calls as opaque operations, the HF code around them whose kernels Inductor would
+change (cos/sin, the embedding's gradient, biased linears, HF's attention function, the model's
+own loss) runs as opaque ops while traced (:mod:`.opaque`), the residual stream is carried by
+identity, and Inductor's ``emulate_precision_casts`` is on while a patch is active. A model
+compiled before it is patched recompiles with the patch at its next call. Refused with
+:class:`CompileUnsupported`, with a message that says what to do: compiling a patch that leaves a
+region to HF's module (``skip_native``; apply with ``skip_native=False`` to compile), gradient
+checkpointing under compile, attention implementations other than sdpa/eager (normal mode),
+attention dropout, and Inductor with ``emulate_precision_casts`` turned off. After
+``handle.remove()`` a compiled model recompiles the plain model.
 
 Layout: :mod:`.families` (what a family is), :mod:`.carry` (the residual stream between
-layers), :mod:`.forwards` (the bound forwards), :mod:`.guard` (the compile refusal),
-:mod:`.handle` (the way back), :mod:`.apply` (the checks and the patch).
+layers), :mod:`.forwards` (the bound forwards), :mod:`.opaque` (HF's code as opaque ops under
+torch.compile), :mod:`.guard` (what torch.compile needs, and its refusals), :mod:`.handle` (the
+way back), :mod:`.apply` (the checks and the patch).
 """
 
 from ..errors import (

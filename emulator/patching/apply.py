@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from engineprofiles.regions import FP32, REGIONS, Point
@@ -14,7 +12,6 @@ from engineprofiles.store import get_profile
 from ..errors import (
     AlreadyPatched,
     CapabilityMismatch,
-    CompileUnsupported,
     ExactModeUnavailable,
     InexactEvidence,
     ProfileMismatch,
@@ -22,9 +19,10 @@ from ..errors import (
     UnsupportedModel,
 )
 from . import forwards as fw
+from . import opaque
 from .carry import Stash
 from .families import NATIVE, Decoder, check_decoder, families_text, find_decoders
-from .guard import COMPILE_MESSAGE, compile_guard, compiled_modules
+from .guard import checkpointing_hook, hold_eager_numerics, native_message, refusal_hook
 from .handle import ACTIVE, PATCHED_ATTR, PatchHandle
 
 
@@ -43,9 +41,6 @@ def _check_dtype(d: Decoder, profile: Profile, act: torch.dtype) -> None:
 
 
 def _check_patchable(model: torch.nn.Module, decoders: list[Decoder]) -> None:
-    compiled = compiled_modules(model)
-    if compiled:
-        raise CompileUnsupported(f"{COMPILE_MESSAGE}; compiled here: {', '.join(compiled[:4])}")
     for d in decoders:
         handle = ACTIVE.get(d.module)
         if handle is None:
@@ -134,8 +129,12 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
 
     Refused, with nothing changed: a model of no supported family (or whose modules were
     replaced), a RoPE type other than default, a profile whose dtype is not the model's or that
-    records a region as unavailable, a compiled model, a model already patched
-    (:class:`AlreadyPatched`: applying twice is an error).
+    records a region as unavailable, a model already patched (:class:`AlreadyPatched`: applying
+    twice is an error).
+
+    ``torch.compile(model)`` of the patched model computes the same bits as the eager patched
+    model, forward and backward; what it refuses, and the process-wide Inductor setting a patch
+    holds, are in :mod:`emulator.patching.guard`.
 
     ``exact=True`` (exact mode): attention too is computed as the profile's engine computes it
     (the profile's ``attention`` entry, prefill and decode), so that with the regions and HF's own
@@ -143,14 +142,6 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     says it can. Refused (:class:`ExactModeUnavailable`, nothing changed) for a profile without
     measured attention, sliding-window attention or attention dropout; a profile probed on another
     CPU capability is a :class:`CapabilityMismatch` warning."""
-    if not isinstance(model, torch.nn.Module):
-        raise UnsupportedModel(
-            f"apply_profile patches a model (a torch.nn.Module: a HF transformers {families_text()}); "
-            f"got {type(model).__name__}"
-        )
-    if isinstance(profile, Point) or not isinstance(profile, (Profile, str, os.PathLike)):
-        hint = " (a lattice Point is one region's rounding: emulator.functional takes it)" if isinstance(profile, Point) else ""
-        raise ProfileMismatch(f"apply_profile needs a Profile, a path or a shipped name; got {type(profile).__name__}{hint}")
     prof = get_profile(profile)
     act = ACT_DTYPES[prof.dtype]
     decoders = find_decoders(model)
@@ -188,49 +179,98 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
         handle.emulated = tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention)) + ("attention",)
         handle.native = tuple(r for r in handle.native if r not in ("rmsnorm", "add_rmsnorm"))
     handle.norm_backend = norm_backend
+    raw = {r: prof.point(r) for r in REGIONS}  # as the profile writes them (the forwards compute these)
     try:
         for d in decoders:
-            _patch_decoder(handle, d, prof, act, emulate, attention, exact_point, norm_backend)
+            _patch_decoder(handle, d, raw, act, emulate, attention, exact_point, norm_backend)
+            if handle.native:  # torch.compile is refused (guard.py), wherever it starts; eagerly nothing more is needed
+                refuse = refusal_hook(native_message(handle.native, prof.canonical_name))
+                for mod in _region_modules(d):
+                    handle._hook(mod.register_forward_pre_hook(refuse))
+            else:
+                _patch_loss(handle, model, d)
+                handle._hook(d.module.register_forward_pre_hook(checkpointing_hook(d.path, d.layers)))
+        if not handle.native:
+            handle._undo.append(hold_eager_numerics())
     except BaseException:  # pragma: no cover - a bug; leave the model as it was
         handle.remove()
         raise
     return handle
 
 
-def _patch_decoder(handle: PatchHandle, d: Decoder, prof: Profile, act: torch.dtype, emulate: dict[str, bool],
-                   attention: bool, exact_point: Point | None = None, norm_backend: str | None = None) -> None:
+def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], act: torch.dtype,
+                   emulate: dict[str, bool], attention: bool, exact_point: Point | None = None,
+                   norm_backend: str | None = None) -> None:
     c, p, layers = d.classes, d.path, d.layers
     ACTIVE[d.module] = handle
     handle._undo.append(lambda: ACTIVE.pop(d.module, None))
-    guarded: list[torch.nn.Module] = [d.module, *layers]
+    emb = getattr(d.module, "embed_tokens", None)
+    if not handle.native and emb is not None:  # (with native regions compiling is refused anyway)
+        if opaque.plain_embedding(emb):
+            handle._bind(f"{p}.embed_tokens", emb, fw.embedding())
+        else:
+            handle._hook(d.module.register_forward_pre_hook(refusal_hook(
+                f"{p}.embed_tokens is a {type(emb).__name__}, not a plain torch.nn.Embedding; compiled, its gradient "
+                "would be Inductor's scatter-add, not eager's, so a patched model with it cannot be compiled: run "
+                "it eagerly")))
     if emulate["swiglu"]:
         for i, layer in enumerate(layers):
-            handle._bind(f"{p}.layers.{i}.mlp", layer.mlp, fw.mlp(prof))
-            guarded.append(layer.mlp)
+            handle._bind(f"{p}.layers.{i}.mlp", layer.mlp, fw.mlp(points["swiglu"], act))
     if emulate["rmsnorm"]:
-        handle._bind(f"{p}.layers.0.input_layernorm", layers[0].input_layernorm, fw.norm_plain(prof, act, to_act=True, backend=norm_backend))
-        guarded.append(layers[0].input_layernorm)
+        handle._bind(f"{p}.layers.0.input_layernorm", layers[0].input_layernorm,
+                     fw.norm_plain(points["rmsnorm"], act, to_act=True, backend=norm_backend))
         if d.family.qk_norm:
             for i, layer in enumerate(layers):
                 for n in ("q_norm", "k_norm"):
                     mod = getattr(layer.self_attn, n)
-                    handle._bind(f"{p}.layers.{i}.self_attn.{n}", mod, fw.norm_plain(prof, act, to_act=False, backend=norm_backend))
-                    guarded.append(mod)
+                    handle._bind(f"{p}.layers.{i}.self_attn.{n}", mod,
+                                 fw.norm_plain(points["rmsnorm"], act, to_act=False, backend=norm_backend))
     if attention:
         handle._bind(f"{p}.rotary_emb", d.module.rotary_emb, fw.rotary(d.rope_theta, d.rotary_dim))
         for i, layer in enumerate(layers):
             handle._bind(f"{p}.layers.{i}.self_attn", layer.self_attn,
-                         fw.attention(prof, d.family.qk_norm, c["eager_attention"], exact_point))
-            guarded.append(layer.self_attn)
+                         fw.attention(points["rope"], act, d.family.qk_norm, c["eager_attention"], d.family.name,
+                                      f"{p}.layers.{i}.self_attn", exact_point))
     if emulate["add_rmsnorm"]:
         stash = Stash()
         handle._stashes.append(stash)
         for i, layer in enumerate(layers):
-            handle._bind(f"{p}.layers.{i}", layer, fw.layer(prof, stash, layers[0], f"{p}.layers.{i}", norm_backend))
-        handle._bind(f"{p}.norm", d.module.norm, fw.final_norm(prof, stash, f"{p}.norm", norm_backend))
-        guarded.append(d.module.norm)
+            handle._bind(f"{p}.layers.{i}", layer,
+                         fw.layer(points["add_rmsnorm"], act, stash, layers[0], f"{p}.layers.{i}", norm_backend))
+        handle._bind(f"{p}.norm", d.module.norm, fw.final_norm(points["add_rmsnorm"], act, stash, f"{p}.norm", norm_backend))
         # Drop entries whose hidden state is gone, before and after each forward of the model.
         handle._hook(d.module.register_forward_pre_hook(lambda mod, args: stash.purge()))
         handle._hook(d.module.register_forward_hook(lambda mod, args, out: stash.purge()))
-    for mod in guarded:
-        handle._hook(mod.register_forward_pre_hook(compile_guard))
+
+
+def _patch_loss(handle: PatchHandle, model: torch.nn.Module, d: Decoder) -> None:
+    """The causal LM around ``d`` computes its own loss (HF's ForCausalLMLoss) as eager torch does,
+    also when compiled (see :mod:`.opaque`); a model with another loss function keeps it."""
+    for _, mod in model.named_modules():
+        if getattr(mod, "model", None) is not d.module:
+            continue
+        if not isinstance(getattr(type(mod), "loss_function", None), property):
+            continue
+        if mod.loss_function is not opaque.hf_loss():
+            continue
+        had = "_loss_function" in mod.__dict__
+        before = mod.__dict__.get("_loss_function")
+        mod._loss_function = opaque.loss_function()
+
+        def undo(mod: torch.nn.Module = mod, had: bool = had, before: object = before) -> None:
+            if had:
+                mod.__dict__["_loss_function"] = before
+            else:
+                mod.__dict__.pop("_loss_function", None)
+
+        handle._undo.append(undo)
+
+
+def _region_modules(d: Decoder) -> list[torch.nn.Module]:
+    """The decoder and the modules of it that compute a region (and so HF's rounding, when native)."""
+    mods: list[torch.nn.Module] = [d.module, d.module.norm, d.module.rotary_emb]
+    for layer in d.layers:
+        mods += [layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm]
+        if d.family.qk_norm:
+            mods += [layer.self_attn.q_norm, layer.self_attn.k_norm]
+    return mods

@@ -1,4 +1,9 @@
-"""The forwards apply_profile binds on a model's own modules (one factory per module kind)."""
+"""The forwards apply_profile binds on a model's own modules (one factory per module kind).
+
+Each takes the profile's points (resolved once by apply_profile) and its activation dtype, not the
+profile: the forwards are also traced by torch.compile, which must not walk the profile's schema.
+While torch.compile traces them, the HF code around the regions runs as opaque ops
+(:mod:`.opaque`), so that the compiled model computes the eager patched model's bits."""
 
 from __future__ import annotations
 
@@ -6,29 +11,30 @@ from typing import Any, Callable
 
 import torch
 
-from engineprofiles.regions import rope_cos_sin
-from engineprofiles.schema import Profile
+from engineprofiles.regions import Point, rope_cos_sin
 
 from .. import functional as F
 from ..errors import ResidualStreamLost
+from . import opaque
 from .carry import Carry, Stash
+from .guard import checkpointing_message, refusal
 
 
-def norm_plain(profile: Profile, act: torch.dtype, *, to_act: bool, backend: str | None = None):
+def norm_plain(point: Point, act: torch.dtype, *, to_act: bool, backend: str | None = None):
     """A plain RMSNorm site (first layer's input norm, q/k norms). ``to_act``: the output feeds a
-    matmul, so an FP32 ``output`` site is rounded there (RNE, as the matmul's input). ``backend``:
-    the norms' emulator backend (exact mode: ``reference-inductor`` for an engine that compiles)."""
+    matmul, so an FP32 ``output`` site is rounded there (RNE, as the matmul's input)."""
 
     def forward(self, hidden_states):
-        y = F.rmsnorm(hidden_states, self.weight, self.variance_epsilon, profile, backend=backend)
+        y = F.rmsnorm(hidden_states, self.weight, self.variance_epsilon, point, dtype=act, backend=backend)
         return y.to(act) if to_act and y.dtype != act else y
 
     return forward
 
 
-def mlp(profile: Profile):
+def mlp(point: Point, act: torch.dtype):
     def forward(self, x):
-        return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x), profile))
+        gate, up = opaque.linear(self.gate_proj, x), opaque.linear(self.up_proj, x)
+        return opaque.linear(self.down_proj, F.swiglu(gate, up, point, dtype=act))
 
     return forward
 
@@ -37,36 +43,72 @@ def rotary(theta: float, rotary_dim: int):
     def forward(self, x, position_ids):
         # FP32 cos/sin, in HF's layout [batch, tokens, rotary_dim] (halves repeated); the RoPE
         # region's cos_sin site decides whether they are rounded.
-        cos, sin = rope_cos_sin(position_ids, rotary_dim, theta)
+        if torch.compiler.is_compiling():
+            cos, sin = opaque.rope_cos_sin_op(position_ids, rotary_dim, theta)
+        else:
+            cos, sin = rope_cos_sin(position_ids, rotary_dim, theta)
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
     return forward
 
 
-def attention(profile: Profile, qk_norm: bool, eager_attention: Callable[..., Any], exact: Any = None):
+def embedding():
+    """The token embedding (a plain nn.Embedding): itself eagerly, the opaque op when compiled."""
+
+    def forward(self, ids):
+        if torch.compiler.is_compiling():
+            return opaque.embedding(self, ids)
+        return torch.nn.Embedding.forward(self, ids)
+
+    return forward
+
+
+def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Callable[..., Any], family: str,
+              path: str, exact: Any = None):
     """The attention module's forward: RoPE at the profile's point; then HF's attention function, or
     in exact mode (``exact``: the profile's attention point) the engine's attention."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    refuse_implementation = refusal(
+        f"{path}: a patched model compiles with HF's attention implementations "
+        f"{', '.join(opaque.ATTENTION_IMPLEMENTATIONS)} (run as an opaque op, as eager runs them); this model uses "
+        "another one. Load the model with attn_implementation='sdpa', apply the profile with exact=True, or run the "
+        "patched model eagerly")
+    refuse_dropout = refusal(
+        f"{path}: attention dropout in training is random, and the compiled patch recomputes attention in the "
+        "backward, so it cannot reproduce eager's bits; set config.attention_dropout = 0.0 (engines have none), "
+        "or run the patched model eagerly")
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(hidden_shape)
-        k = self.k_proj(hidden_states).view(hidden_shape)
-        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        q = opaque.linear(self.q_proj, hidden_states).view(hidden_shape)
+        k = opaque.linear(self.k_proj, hidden_states).view(hidden_shape)
+        v = opaque.linear(self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
         if qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)  # may hand FP32 on to RoPE
         cos, sin = position_embeddings
         half = cos.shape[-1] // 2
         cos, sin = cos[..., :half], sin[..., :half]
-        q = F.rope(q, cos, sin, profile, style="neox").transpose(1, 2)
-        k = F.rope(k, cos, sin, profile, style="neox").transpose(1, 2)
+        q = F.rope(q, cos, sin, point, style="neox", dtype=act).transpose(1, 2)
+        k = F.rope(k, cos, sin, point, style="neox", dtype=act).transpose(1, 2)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         if exact is not None:
             out = F.attention(q, k, v, exact, scale=self.scaling, attention_mask=attention_mask).transpose(1, 2)
             out = out.reshape(*input_shape, -1).contiguous()
-            return self.o_proj(out), None
+            return opaque.linear(self.o_proj, out), None
+        if torch.compiler.is_compiling():
+            impl = self.config._attn_implementation
+            if impl not in opaque.ATTENTION_IMPLEMENTATIONS:
+                refuse_implementation()
+            if self.training and self.attention_dropout:
+                refuse_dropout()
+            is_causal = kwargs.get("is_causal")
+            is_causal = getattr(self, "is_causal", True) if is_causal is None else is_causal
+            out = opaque.hf_attention_op(q, k, v, attention_mask, impl, family, self.num_key_value_groups,
+                                         bool(is_causal), float(self.scaling))
+            return opaque.linear(self.o_proj, out.reshape(*input_shape, -1).contiguous()), None
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
         extra = {"sliding_window": self.sliding_window} if hasattr(self, "sliding_window") else {}
         out, weights = attention_interface(
@@ -75,14 +117,22 @@ def attention(profile: Profile, qk_norm: bool, eager_attention: Callable[..., An
             scaling=self.scaling, **extra, **kwargs,
         )
         out = out.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(out), weights
+        return opaque.linear(self.o_proj, out), weights
 
     return forward
 
 
-def layer(profile: Profile, stash: Stash, first: torch.nn.Module, path: str, backend: str | None = None):
+def layer(point: Point, act: torch.dtype, stash: Stash, first: torch.nn.Module, path: str,
+          backend: str | None = None):
+    """The decoder layer with the engine's residual path; ``point``: the add_rmsnorm point;
+    ``backend``: the norms' emulator backend (exact mode: ``reference-inductor`` for an engine that
+    compiles)."""
+    refuse_checkpointing = refusal(checkpointing_message(path))
+
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
+        if torch.compiler.is_compiling() and getattr(self, "gradient_checkpointing", False) and self.training:
+            refuse_checkpointing()  # a layer compiled alone (the whole model refuses before, guard.py)
         if self is first:
             residual = hidden_states
             x = self.input_layernorm(hidden_states)  # plain RMSNorm: no add before the first layer
@@ -98,13 +148,13 @@ def layer(profile: Profile, stash: Stash, first: torch.nn.Module, path: str, bac
                 )
             m, r = Carry.apply(hidden_states, carried)
             ln = self.input_layernorm
-            x, residual = F.add_rmsnorm(m, r, ln.weight, ln.variance_epsilon, profile, backend=backend)
+            x, residual = F.add_rmsnorm(m, r, ln.weight, ln.variance_epsilon, point, dtype=act, backend=backend)
         a, _ = self.self_attn(
             hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
         )
         ln = self.post_attention_layernorm
-        x2, residual = F.add_rmsnorm(a, residual, ln.weight, ln.variance_epsilon, profile, backend=backend)
+        x2, residual = F.add_rmsnorm(a, residual, ln.weight, ln.variance_epsilon, point, dtype=act, backend=backend)
         m = self.mlp(x2)
         h = m.to(residual.dtype) + residual
         stash.put(h, m, residual)
@@ -113,7 +163,7 @@ def layer(profile: Profile, stash: Stash, first: torch.nn.Module, path: str, bac
     return forward
 
 
-def final_norm(profile: Profile, stash: Stash, path: str, backend: str | None = None):
+def final_norm(point: Point, act: torch.dtype, stash: Stash, path: str, backend: str | None = None):
     def forward(self, hidden_states):
         carried = stash.get(hidden_states)
         if carried is None:
@@ -121,8 +171,9 @@ def final_norm(profile: Profile, stash: Stash, path: str, backend: str | None = 
                 f"{path}: the final norm's input was not produced by the last patched decoder layer, so the "
                 "engine's fused residual add cannot be reproduced; call it through the model's forward"
             )
+        stash.last = None  # the end of the stream
         m, r = Carry.apply(hidden_states, carried)
-        out, _ = F.add_rmsnorm(m, r, self.weight, self.variance_epsilon, profile, backend=backend)
+        out, _ = F.add_rmsnorm(m, r, self.weight, self.variance_epsilon, point, dtype=act, backend=backend)
         return out
 
     return forward

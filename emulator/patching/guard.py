@@ -1,5 +1,37 @@
-"""torch.compile and a patched model: refused with :class:`CompileUnsupported`, at apply time
-(a compiled module) and at trace time (a pre-hook on every patched module)."""
+"""torch.compile and a patched model: what the compiled code needs to compute the eager patched
+model's bits, and what is refused.
+
+A patched model compiles (``torch.compile(model)``, the default Inductor backend, whole or layer by
+layer) to the same bits as the eager patched model, forward and backward
+(tests/emulator/test_compile.py). A model compiled before it is patched works too: the compiled
+code guards on the modules' forwards, so its next call compiles the patched model. Because:
+
+* every emulated region (and exact mode's attention) is a custom op (emulator/ops/), which Inductor
+  calls as an opaque operation: it can neither drop a rounding inside nor fuse into it;
+* the HF code around the regions whose kernels Inductor would change runs as opaque ops while
+  traced (:mod:`.opaque`: cos/sin, the embedding's gradient, biased linears, HF's attention
+  function, the causal LM's own loss);
+* the residual stream is carried by identity while tracing (:class:`.carry.Stash`);
+* while a patch is active, ``torch._inductor.config.emulate_precision_casts`` is True: Inductor
+  then rounds every BF16/FP16 intermediate of the code it fuses where eager torch rounds it (else
+  it keeps e.g. the sum of the gradients of one activation, eager's chain of BF16 adds, in FP32).
+  The setting is process-wide; it is put back when the last active patch is removed.
+
+Refused with :class:`CompileUnsupported` (each message says what to do instead):
+
+* a patch that leaves a region to HF's own module (``skip_native``; when traced, wherever
+  compiling starts): Inductor would compile HF's code for it, not as eager HF rounds;
+* gradient checkpointing (when traced): a checkpointed layer does not hand the residual stream
+  on under torch.compile (measured: not bit-equal);
+* an attention implementation other than sdpa/eager, and attention dropout in training (normal
+  mode, when traced; :func:`.forwards.attention`);
+* Inductor with ``emulate_precision_casts`` off, e.g. through ``torch.compile``'s options (inside
+  Inductor, by the fake implementations of :mod:`.opaque`'s ops; Dynamo reports it as
+  ``BackendCompilerFailed`` whose ``inner_exception`` is the CompileUnsupported).
+
+A refusal raised where torch.compile traces would make Dynamo run the frame eagerly instead, so
+it is raised from a function torch.compile does not trace (:func:`refusal`).
+"""
 
 from __future__ import annotations
 
@@ -9,32 +41,91 @@ import torch
 
 from ..errors import CompileUnsupported
 
-COMPILE_MESSAGE = (
-    "a model patched by emulator.apply_profile cannot be compiled with torch.compile: Inductor rewrites "
-    "the rounding of the code it compiles (it drops intermediate BF16 casts), so the compiled model would "
-    "no longer round where the profile says. Run the patched model eagerly, or remove the patch "
-    "(handle.remove()) before compiling"
-)
+def refusal(message: str):
+    """A function that, called where torch.compile traces, raises :class:`CompileUnsupported`
+    (``message``) to the caller. Traced code cannot raise to the caller (Dynamo would run the
+    frame eagerly instead), so the raise runs outside the compiled graph, from a function
+    torch.compile does not trace; under ``fullgraph=True`` the message is the graph break's reason."""
 
+    def refuse_to_compile() -> None:
+        raise CompileUnsupported(message)
 
-def _compile_guard_impl(module: torch.nn.Module, args: Any) -> None:
-    if torch.compiler.is_compiling():
-        raise CompileUnsupported(f"{COMPILE_MESSAGE} (module {type(module).__name__})")
-
-
-# Dynamo falls back to running a frame eagerly when traced code raises, which would skip the
-# check; marking the guard's frame error_on_graph_break makes the raise reach the caller.
-_eogb = getattr(getattr(torch, "_dynamo", None), "error_on_graph_break", None)
-compile_guard = _eogb(True)(_compile_guard_impl) if _eogb is not None else _compile_guard_impl
-
-
-def compiled_modules(model: torch.nn.Module) -> list[str]:
     try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # pragma: no cover
-        OptimizedModule = ()  # type: ignore[assignment]
-    found = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, OptimizedModule) or getattr(mod, "_compiled_call_impl", None) is not None:
-            found.append(name or type(mod).__name__)
-    return found
+        return torch.compiler.disable(refuse_to_compile, reason=f"CompileUnsupported: {message}")
+    except TypeError:  # pragma: no cover - a torch whose disable takes no reason (before 2.8)
+        return torch.compiler.disable(refuse_to_compile)
+
+
+def refusal_hook(message: str):
+    """A forward pre-hook that refuses to be compiled (see :func:`refusal`)."""
+    refuse = refusal(message)
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            refuse()
+
+    return hook
+
+
+def checkpointing_message(path: str) -> str:
+    return (
+        f"{path}: gradient checkpointing is on, and under torch.compile a checkpointed layer does not hand the "
+        "patch's residual stream (its MLP output and residual) on to the next layer as eager code does (measured: "
+        "the compiled model's gradients are not the eager patched model's, or the stream is lost). Compile without "
+        "gradient checkpointing (model.gradient_checkpointing_disable()), or run the patched model eagerly with it"
+    )
+
+
+def checkpointing_hook(path: str, layers: list[torch.nn.Module]):
+    """A forward pre-hook for the decoder: refuses to be compiled while its layers checkpoint (a
+    layer compiled alone refuses in its forward, :func:`.forwards.layer`)."""
+    refuse = refusal(checkpointing_message(path))
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling() and any(getattr(m, "gradient_checkpointing", False) and m.training
+                                                 for m in layers):
+            refuse()
+
+    return hook
+
+
+def native_message(native: tuple[str, ...], profile_name: str) -> str:
+    return (
+        f"this model is patched with profile {profile_name}, whose point for region(s) {', '.join(native)} is what "
+        "HF's own modules compute, so the patch left those regions to HF's modules (skip_native); torch.compile "
+        "would compile HF's code there with Inductor's reductions and fusions, which do not round as eager HF "
+        "does. To compile, apply the profile with skip_native=False (the emulator then computes every region: "
+        "the same forward bits, its straight-through FP32 backward), or run the patched model eagerly"
+    )
+
+
+# -- Inductor's eager numerics while a patch is active -------------------------------------------
+
+_active = 0
+_saved: bool | None = None
+
+
+def hold_eager_numerics() -> Any:
+    """Turn ``emulate_precision_casts`` on while a patch is active; returns the release to call
+    when that patch is removed (the setting is put back when the last one is)."""
+    global _active, _saved
+    import torch._inductor.config as inductor_config
+
+    if _active == 0:
+        _saved = inductor_config.emulate_precision_casts
+        inductor_config.emulate_precision_casts = True
+    _active += 1
+    released = False
+
+    def release() -> None:
+        global _active, _saved
+        nonlocal released
+        if released:
+            return
+        released = True
+        _active -= 1
+        if _active == 0 and _saved is not None:
+            inductor_config.emulate_precision_casts = _saved
+            _saved = None
+
+    return release

@@ -1,10 +1,11 @@
 """FSDP2 (fully_shard) on CPU over gloo with a patched tiny model; run by test_patching.py.
 
-    python -m tests.emulator.fsdp_worker FAMILY PROFILE OUT.pt
+    python -m tests.emulator.fsdp_worker FAMILY PROFILE OUT.pt [compile]
 
 Spawns 2 processes; each runs forward + backward on the same batch of a patched tiny model that
-is sharded with fully_shard (once patched before sharding, once sharded before patching); rank 0
-saves the loss, logits and full gradients of both to OUT.pt.
+is sharded with fully_shard (once patched before sharding, once sharded before patching), with
+``compile``: through torch.compile of the sharded patched model; rank 0 saves the loss, logits and
+full gradients of both to OUT.pt.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def batch(model):
     return tiny_inputs(model, tokens=24, batch=2, seed=3)
 
 
-def _run(rank: int, family: str, profile: str, out: str, port: int) -> None:
+def _run(rank: int, family: str, profile: str, out: str, port: int, compiled: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
@@ -47,12 +48,14 @@ def _run(rank: int, family: str, profile: str, out: str, port: int) -> None:
             if handle is None:
                 handle = apply_profile(model, profile)
             ids = batch(model)
-            o = model(ids, labels=ids)
+            run = torch.compile(model) if compiled else model
+            o = run(ids, labels=ids)
             o.loss.backward()
             grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
             results[order] = dict(loss=o.loss.detach().clone(), logits=o.logits.detach().clone(), grads=grads,
                                   emulated=handle.emulated)
             handle.remove()
+            torch._dynamo.reset()
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -61,8 +64,9 @@ def _run(rank: int, family: str, profile: str, out: str, port: int) -> None:
 
 def main() -> None:
     family, profile, out = sys.argv[1:4]
+    compiled = sys.argv[4:5] == ["compile"]
     port = 29500 + os.getpid() % 1000
-    mp.spawn(_run, args=(family, profile, out, port), nprocs=WORLD, join=True)
+    mp.spawn(_run, args=(family, profile, out, port, compiled), nprocs=WORLD, join=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import emulator
 from emulator import functional as F
 from emulator.errors import ProfileMismatch, RegionUnavailable
 from emulator.patching import (
-    NATIVE, AlreadyPatched, CompileUnsupported, ResidualStreamLost, UnsupportedModel, patched_modules,
+    NATIVE, AlreadyPatched, ResidualStreamLost, UnsupportedModel, patched_modules,
 )
 from engineprofiles.models import tiny_inputs, tiny_model
 from engineprofiles.probe.adapters.transformers import CAPTURE, TransformersAdapter, _register_capture
@@ -459,37 +459,6 @@ def test_applying_twice_is_an_error_and_keeps_the_first_patch():
             with torch.no_grad():
                 assert_same_bits(model(ids).logits, want, "first patch after a refused second one")
             assert h.active
-
-
-def test_a_compiled_model_is_refused():
-    model = tiny_model("qwen2", seed=1)
-    compiled = torch.compile(model)
-    state = model_state(model)
-    with pytest.raises(CompileUnsupported, match="torch.compile"):
-        emulator.apply_profile(compiled, ALL_EMULATED)
-    model.model.layers[0].compile()
-    with pytest.raises(CompileUnsupported, match="model.layers.0"):
-        emulator.apply_profile(model, ALL_EMULATED)
-    model.model.layers[0]._compiled_call_impl = None
-    assert_untouched(model, state)
-
-
-@pytest.mark.parametrize("how", ["model", "layer"])
-def test_compiling_a_patched_model_fails_with_a_clear_message(how):
-    model = tiny_model("qwen2", seed=1)
-    ids = tiny_inputs(model, 8)
-    torch._dynamo.reset()
-    try:
-        with emulator.apply_profile(model, TRANSFORMERS_PROFILE), torch.no_grad():
-            if how == "model":
-                run = torch.compile(model)
-            else:
-                model.model.layers[1].compile()
-                run = model
-            with pytest.raises(Exception, match="cannot be compiled with torch.compile"):
-                run(ids)
-    finally:
-        torch._dynamo.reset()
 
 
 def test_a_model_whose_rope_frequencies_were_rounded_gets_the_engines_fp32_frequencies():
