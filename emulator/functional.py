@@ -120,6 +120,11 @@ def _point_and_dtype(
             raise ProfileMismatch(f"{op}: the input is {t.dtype}, but dtype={dtype} was given; the sites round to one "
                                   "activation dtype: run the model in it")
         return profile, act
+    if not isinstance(profile, (Profile, str, os.PathLike)):
+        raise ProfileMismatch(
+            f"{op}: profile must be a Profile, a path, a shipped name or a lattice Point of region {region!r}; "
+            f"got {type(profile).__name__}"
+        )
     prof = _profile(profile)
     name = prof.canonical_name
     if not prof.available(region):
@@ -145,6 +150,9 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_float(op: str, **tensors: torch.Tensor) -> None:
+    for k, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{op}: {k} must be a tensor, got {type(t).__name__}")
     devices = {t.device for t in tensors.values()}
     if len(devices) > 1:
         raise InputError(f"{op}: all tensors must be on one device, got {', '.join(f'{k} on {t.device}' for k, t in tensors.items())}")

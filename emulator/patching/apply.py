@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engineprofiles.regions import FP32, REGIONS, Point
@@ -142,6 +144,14 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     says it can. Refused (:class:`ExactModeUnavailable`, nothing changed) for a profile without
     measured attention, sliding-window attention or attention dropout; a profile probed on another
     CPU capability is a :class:`CapabilityMismatch` warning."""
+    if not isinstance(model, torch.nn.Module):
+        raise UnsupportedModel(
+            f"apply_profile patches a model (a torch.nn.Module: a HF transformers {families_text()}); "
+            f"got {type(model).__name__}"
+        )
+    if isinstance(profile, Point) or not isinstance(profile, (Profile, str, os.PathLike)):
+        hint = " (a lattice Point is one region's rounding: emulator.functional takes it)" if isinstance(profile, Point) else ""
+        raise ProfileMismatch(f"apply_profile needs a Profile, a path or a shipped name; got {type(profile).__name__}{hint}")
     prof = get_profile(profile)
     act = ACT_DTYPES[prof.dtype]
     decoders = find_decoders(model)

@@ -25,6 +25,10 @@ def assert_reports(got, prof):
     for r in REGIONS:
         spec, ev = REGIONS[r], got.entry(r).evidence
         want = spec.canonicalize(prof.point(r))
+        if r == "rmsnorm" and want["output"] == "fp32":
+            # The probe reads plain RMSNorm through the first layer's input norm, which feeds a matmul:
+            # an FP32 output (handed on to RoPE by Qwen3's q/k norms) is rounded there, as in the engine.
+            want = spec.canonicalize(want.replace(output="rounded"))
         assert spec.site_part(got.point(r)) == spec.site_part(want), (r, got.point(r).label(), want.label())
         variants = " ".join(f"{k}={v}" for k, v in spec.variant_part(want).items())
         assert got.point(r) == want or variants in ev.indistinguishable, (r, got.point(r).label(), want.label())
