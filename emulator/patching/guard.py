@@ -15,7 +15,10 @@ code guards on the modules' forwards, so its next call compiles the patched mode
 * while a patch is active, ``torch._inductor.config.emulate_precision_casts`` is True: Inductor
   then rounds every BF16/FP16 intermediate of the code it fuses where eager torch rounds it (else
   it keeps e.g. the sum of the gradients of one activation, eager's chain of BF16 adds, in FP32).
-  The setting is process-wide; it is put back when the last active patch is removed.
+  The setting is process-wide; it is put back when the last active patch is removed. It reaches
+  whatever else compiles in the process meanwhile: a colocated engine (vLLM compiled) that
+  compiles a new shape while a patch is active no longer rounds as it does on its own
+  (scripts/check_emulator_vs_engine.py runs the engine before the patch for this reason).
 
 Refused with :class:`CompileUnsupported` (each message says what to do instead):
 
