@@ -1,4 +1,8 @@
-"""Finding profiles: by path, or by the name of a profile shipped in ``profiles/``."""
+"""Finding profiles: by path, or by the name of a shipped profile.
+
+The shipped profiles live in ``profiles/`` at the root of the project's checkout (each one the
+output of a probe run). A wheel carries a copy of them as package data,
+``engineprofiles/profiles/*.yaml`` (setup.py copies them at build time)."""
 
 from __future__ import annotations
 
@@ -16,14 +20,22 @@ if TYPE_CHECKING:
 # before it loads torch).
 
 ENV_VAR = "ENGINEPROFILES_DIR"
+_PACKAGE = Path(__file__).resolve().parent
 
 
 def shipped_dir() -> Path:
-    """The folder of shipped profiles: $ENGINEPROFILES_DIR, else ``profiles/`` next to the package."""
+    """The folder of shipped profiles: $ENGINEPROFILES_DIR; else the checkout's ``profiles/`` next
+    to the package (an editable install: the canonical folder); else the copy installed with the
+    package (``engineprofiles/profiles/``, from a wheel)."""
     env = os.environ.get(ENV_VAR)
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent / "profiles"
+    root = _PACKAGE.parent
+    # pyproject.toml marks a checkout: site-packages/profiles, should another distribution make
+    # one, is not mistaken for the shipped profiles.
+    if (root / "profiles").is_dir() and (root / "pyproject.toml").is_file():
+        return root / "profiles"
+    return _PACKAGE / "profiles"
 
 
 def shipped_names() -> list[str]:
