@@ -159,6 +159,7 @@ def mismatch(
     import json
     import time
 
+    from engineprofiles.extras import require
     from engineprofiles.names import check_family_name
 
     from . import runner, tables
@@ -187,6 +188,7 @@ def mismatch(
             tables.check_plot_available()
         if save_capture:
             runner.check_output_file(save_capture, "--save-capture")
+        require("insitu", "probe-engine mismatch (the trainer side: HF models patched by the emulator)")
     except EngineProfilesError as e:
         _fail(e)
     from .mismatch import run_mismatch
@@ -367,6 +369,12 @@ def _in_situ(engine: str, families: list[str], output: Optional[str], seed: int,
     import time
 
     from engineprofiles import store
+    from engineprofiles.extras import require
+
+    try:
+        require("insitu", "the in-situ fit (HF models patched by the emulator)")
+    except EngineProfilesError as e:
+        _fail(e)
     from engineprofiles.models import tiny_model
 
     from . import runner, tables

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from engineprofiles.errors import EngineProfilesError
+from engineprofiles.extras import require
 from engineprofiles.names import is_safe_name
 from engineprofiles.metrics import Mismatch, mismatch
 from engineprofiles.models import FAMILIES
@@ -188,6 +189,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
             raise EngineProfilesError(
                 f"qwen2: head_dim {size['head_dim']} x {heads} heads != hidden {hidden}; vLLM's Qwen2 derives the head "
                 "dim from hidden / heads, so the engine would run another model: make them agree")
+    require("insitu", "the mismatch run (the trainer side: HF models patched by the emulator)")
     from emulator.patching import apply_profile
     from engineprofiles.models import tiny_model
 

@@ -35,3 +35,8 @@ class PointError(EngineProfilesError, ValueError):
 class OutputNotWritable(EngineProfilesError, OSError):
     """An output path cannot be written: a folder, a special file, a shipped profile without
     --ship, no permission; or the write itself failed. Nothing was changed."""
+
+
+class MissingDependency(EngineProfilesError, ImportError):
+    """An optional dependency is not installed. The message names it and the extra that installs
+    it (``pip install 'engineprofiles[EXTRA]'``)."""

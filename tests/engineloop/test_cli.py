@@ -226,3 +226,43 @@ def test_a_missing_text_or_code_running_capture_is_an_error_line(tmp_path, comma
     evil, marker = _evil_capture(tmp_path)
     _refused(runner.invoke(app, [*command, "--capture", str(evil)]), "weights_only")
     assert not marker.exists()
+
+
+# -- optional dependencies: a command that needs an extra names it before doing anything ------------
+
+
+def _without_transformers(monkeypatch):
+    from engineprofiles import extras
+
+    # A module that does not exist stands for transformers: find_spec finds nothing, as it would
+    # in a base install.
+    monkeypatch.setitem(extras.EXTRAS, "insitu", ("no_such_module_engineprofiles_test", "triton"))
+
+
+def test_mismatch_without_the_insitu_extra_names_it_before_the_run(monkeypatch, no_run):
+    _without_transformers(monkeypatch)
+    _refused(runner.invoke(app, ["mismatch"]), "no_such_module_engineprofiles_test", "engineprofiles[insitu]")
+    assert not no_run
+
+
+def test_in_situ_without_the_insitu_extra_names_it_before_the_engine_runs(monkeypatch, tmp_path):
+    from engineloop import mismatch
+
+    ran = []
+    monkeypatch.setattr(mismatch, "run_capture", lambda *a, **k: ran.append(1))
+    _without_transformers(monkeypatch)
+    _refused(runner.invoke(app, ["vllm", "--in-situ", "-o", str(tmp_path)]), "engineprofiles[insitu]")
+    assert not ran
+
+
+def test_apply_without_the_emulator_extra_is_an_error_line_naming_it(monkeypatch, tmp_path):
+    import sys
+
+    from engineprofiles import extras
+
+    # emulator.ops checks Triton when it is first imported: import it afresh, with Triton "missing".
+    monkeypatch.setitem(extras.EXTRAS, "emulator", ("no_such_module_engineprofiles_test",))
+    for name in [m for m in sys.modules if m == "emulator" or m.startswith("emulator.")]:
+        monkeypatch.delitem(sys.modules, name)
+    _refused(runner.invoke(app, ["transformers", "--apply", "vllm-0.32.0-cpu-inductor-bfloat16-insitu", "--quick",
+                                 "-o", str(tmp_path)]), "engineprofiles[emulator]")

@@ -1,0 +1,41 @@
+"""The optional dependencies (pyproject.toml's extras) and the check that names the extra to install.
+
+The base install (torch, pydantic, pyyaml, typer, rich) reads, checks, compares and probes
+profiles; it is what goes into an engine's own environment. The trainer side needs more:
+
+- ``emulator``: Triton. Every module of the emulator imports it (also its CPU reference path).
+- ``insitu``: HF transformers and Triton: the tiny HF models, the transformers probe, the
+  in-situ fit and ``probe-engine mismatch`` (HF models patched by the emulator).
+
+Checked with ``importlib.util.find_spec``: nothing is imported here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+from .errors import MissingDependency
+
+DISTRIBUTION = "engineprofiles"
+# extra -> the modules it provides (tests/engineprofiles/test_extras.py checks pyproject.toml agrees).
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "emulator": ("triton",),
+    "insitu": ("transformers", "triton"),
+}
+
+
+def missing(extra: str) -> list[str]:
+    """The modules of ``extra`` that cannot be imported here."""
+    return [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
+
+
+def require(extra: str, what: str) -> None:
+    """Raise :class:`MissingDependency` naming the extra when ``what`` cannot run here."""
+    gone = missing(extra)
+    if gone:
+        raise MissingDependency(
+            f"{what} needs {' and '.join(gone)}, which {'is' if len(gone) == 1 else 'are'} not installed in "
+            f"{sys.executable}: pip install '{DISTRIBUTION}[{extra}]'",
+            name=gone[0],
+        )
