@@ -19,16 +19,33 @@ from engineprofiles.store import shipped_dir
 if TYPE_CHECKING:
     from engineprofiles.schema import Profile
 
-REPO = Path(__file__).resolve().parents[1]
-ENGINES_DIR = Path(os.environ.get("ENGINEPROFILES_ENGINES", REPO / ".engines"))
+REPO = Path(__file__).resolve().parents[1]  # the checkout, in an editable install; site-packages otherwise
+ENGINES_VAR = "ENGINEPROFILES_ENGINES"
+ENGINES_DIR = Path(os.environ.get(ENGINES_VAR) or REPO / ".engines")  # empty: unset, as $ENGINEPROFILES_DIR
 ENGINE_MODULE = {"vllm": "vllm", "sglang": "sglang", "transformers": "transformers"}
 DEFAULT_VERSION = {"vllm": "0.32.0", "sglang": "0.5.23"}
 
 
 def install_hint(engine: str) -> str:
     if engine == "transformers":
-        return "pip install -e '.[test]' (or pip install transformers)"
+        return "pip install 'engineprofiles[insitu]' (or pip install transformers)"
     return f"scripts/engine_env.sh {engine} {DEFAULT_VERSION[engine]}"
+
+
+def in_checkout() -> bool:
+    """Whether this package runs from a checkout of the project (an editable install), where
+    scripts/engine_env.sh makes the engine environments in .engines/."""
+    return (REPO / "scripts" / "engine_env.sh").is_file()
+
+
+def _engines_source() -> str:
+    """Where ENGINES_DIR comes from, in words."""
+    if os.environ.get(ENGINES_VAR) and Path(os.environ[ENGINES_VAR]) == ENGINES_DIR:
+        return f"${ENGINES_VAR}"
+    if ENGINES_DIR == REPO / ".engines":
+        return "the checkout's .engines/" if in_checkout() else \
+            f"the default next to the installed package, which is not a checkout of the project; ${ENGINES_VAR} is not set"
+    return "the folder of engine environments"
 
 
 def engine_importable(engine: str) -> bool:
@@ -56,13 +73,19 @@ def find_engine_python(engine: str, env: str | None = None) -> Path:
                     )
                 return c
         raise EngineNotInstalled(
-            f"no {engine} environment at {env!r}; make one with `scripts/engine_env.sh {engine} VERSION`"
+            f"no {engine} environment at {env!r} (looked for {', '.join(map(str, candidates))}); make one with "
+            f"`scripts/engine_env.sh {engine} VERSION` in the project's checkout"
         )
     ready = [d for d in ENGINES_DIR.glob(f"{engine}-*") if (d / ".ready").exists() and (d / "bin" / "python").exists()]
     if not ready:
+        if engine == "transformers":
+            raise EngineNotInstalled(f"transformers is not installed in this environment: {install_hint(engine)}")
         raise EngineNotInstalled(
-            f"{engine} is not installed in this environment and no environment made by the scripts "
-            f"exists in {ENGINES_DIR}. Make one with `{install_hint(engine)}`."
+            f"{engine} is not installed in this environment, and no environment made by scripts/engine_env.sh was "
+            f"found: looked for {ENGINES_DIR / engine}-VERSION/ with bin/python and a .ready marker "
+            f"({_engines_source()}). Make one with `{install_hint(engine)}` in the project's checkout (it makes "
+            f".engines/{engine}-VERSION there, where an editable install of that checkout looks); or set {ENGINES_VAR} "
+            "to a folder that holds such environments, or pass --env VENV"
         )
     ready.sort(key=lambda d: _version_key(d.name[len(engine) + 1:]))
     return ready[-1] / "bin" / "python"

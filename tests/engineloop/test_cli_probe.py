@@ -27,6 +27,19 @@ def test_engine_not_installed_names_the_script_that_installs_it(tmp_path, monkey
         assert script in r.output and "not installed" in r.output
 
 
+def test_outside_a_checkout_no_engine_environment_says_where_it_looked_and_how_to_point_elsewhere(tmp_path, monkeypatch):
+    # An installed wheel: the package's parent is site-packages, with no scripts/engine_env.sh.
+    monkeypatch.setattr(probe_runner, "REPO", tmp_path)
+    monkeypatch.setattr(probe_runner, "ENGINES_DIR", tmp_path / ".engines")
+    monkeypatch.delenv("ENGINEPROFILES_ENGINES", raising=False)
+    with pytest.raises(probe_runner.EngineNotInstalled) as e:
+        probe_runner.find_engine_python("vllm")
+    msg = str(e.value)
+    for words in (f"looked for {tmp_path / '.engines' / 'vllm'}-VERSION/", "not a checkout",
+                  "set ENGINEPROFILES_ENGINES", "scripts/engine_env.sh vllm", "--env"):
+        assert words in msg, (words, msg)
+
+
 def test_output_under_a_file_fails_before_probing(tmp_path, monkeypatch):
     # An output that cannot be written (even by root: a path below a regular file) is refused
     # before the engine is loaded.
