@@ -343,6 +343,20 @@ def attention_point(profile: ProfileLike, op: str = "attention") -> Point:
     return prof.point("attention")
 
 
+def _check_mask(mask: object, q: torch.Tensor, k: torch.Tensor) -> None:
+    """HF's 4D mask [B or 1, 1, >= Tq or 1, >= Tk or 1] (its last Tq rows and Tk columns are used) or [Tq, Tk]."""
+    if not isinstance(mask, torch.Tensor):
+        raise InputError(f"attention: attention_mask must be a tensor or None, got {type(mask).__name__}")
+    b, tq, tk, m = q.shape[0], q.shape[2], k.shape[2], tuple(mask.shape)
+    if mask.dim() == 2:
+        ok = m == (tq, tk)
+    else:
+        ok = mask.dim() == 4 and m[1] == 1 and m[0] in (1, b) and (m[2] >= tq or m[2] == 1) and (m[3] >= tk or m[3] == 1)
+    if not ok:
+        raise InputError(f"attention: attention_mask must be [B or 1, 1, Tq, Tk] (shared by the heads) or [Tq, Tk] for "
+                         f"q {tuple(q.shape)} and k {tuple(k.shape)}; got {m}")
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, profile: ProfileLike, *, scale: float | None = None,
               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention exactly as the profile's engine computes it (exact mode).
@@ -360,6 +374,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, profile: Profil
             or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise InputError(f"attention: q must be [B, Hq, Tq, D] and k, v [B, Hk, Tk, D] with Hk dividing Hq; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[2] == 0 and q.numel():
+        raise InputError(f"attention: k and v hold no position (Tk = 0) for {q.shape[2]} queries; every query attends "
+                         "to at least one key")
+    if attention_mask is not None:
+        _check_mask(attention_mask, q, k)
     point = attention_point(profile)
     if not isinstance(profile, Point):
         prof = _profile(profile)
@@ -369,7 +388,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, profile: Profil
     if len({q.dtype, k.dtype, v.dtype}) > 1 or q.dtype not in tuple(ACT_DTYPES.values()):
         raise InputError(f"attention: q, k and v must share an activation dtype (bfloat16 or float16); got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
-    s = float(scale) if scale is not None else q.shape[-1] ** -0.5
+    try:
+        s = float(scale) if scale is not None else (q.shape[-1] ** -0.5 if q.shape[-1] else 1.0)
+    except (TypeError, ValueError):
+        raise InputError(f"attention: scale must be a number (or None for D**-0.5), got {type(scale).__name__}") from None
     if torch.compiler.is_compiling():
         return attention_op(q, k, v, point_key(point), s, attention_mask)
     return ExactAttentionFunction.apply(q, k, v, point, s, attention_mask)

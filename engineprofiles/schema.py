@@ -272,6 +272,8 @@ def _format_error(err: dict[str, Any]) -> tuple[str, str]:
 
 
 def profile_from_data(data: Any, source: str = "<profile>") -> Profile:
+    if data is None:
+        raise ProfileError("empty: no YAML document (only blanks or comments); a profile is a YAML mapping", source=source)
     if not isinstance(data, dict):
         raise ProfileError(f"a profile is a YAML mapping, got {type(data).__name__}", source=source)
     version = data.get("schema_version")

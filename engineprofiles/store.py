@@ -60,6 +60,10 @@ def resolve(name_or_path: str | os.PathLike[str]) -> Path:
     candidate = shipped_dir() / f"{stem}.yaml"
     if str(p) == p.name and candidate.is_file():
         return candidate
+    if os.path.lexists(p):  # there is something there, just not a profile file: say what
+        what = "a folder" if p.is_dir() else "not a regular file (a device, FIFO, socket or broken link)"
+        raise ProfileNotFound(f"{str(name_or_path)!r} is {what}; a profile is a YAML file: give the file's path "
+                              "or a shipped profile's name")
     names = shipped_names()
     hint = f"shipped profiles: {', '.join(names)}" if names else f"no profiles are shipped in {shipped_dir()}"
     raise ProfileNotFound(f"no profile file or shipped profile named {str(name_or_path)!r}; {hint}")

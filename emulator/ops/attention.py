@@ -22,6 +22,7 @@ import torch
 
 from engineprofiles.regions import Point, attention_fp32, attention_ref
 
+from ..errors import InputError
 from ._utils import autograd_in_op, owned, point_from_key
 
 
@@ -32,12 +33,12 @@ def allowed_from_mask(mask: torch.Tensor | None, b: int, tq: int, tk: int, devic
     m = mask
     if m.dim() == 4:
         if m.shape[1] != 1:
-            raise ValueError(f"exact attention takes masks shared by the heads ([B, 1, Tq, Tk]); got {tuple(m.shape)}")
+            raise InputError(f"exact attention takes masks shared by the heads ([B, 1, Tq, Tk]); got {tuple(m.shape)}")
         m = m[b if m.shape[0] > 1 else 0, 0]
     elif m.dim() == 2 and m.shape == (tq, tk):
         pass
     else:
-        raise ValueError(f"exact attention takes a [B, 1, Tq, Tk] or [Tq, Tk] mask; got {tuple(m.shape)}")
+        raise InputError(f"exact attention takes a [B, 1, Tq, Tk] or [Tq, Tk] mask; got {tuple(m.shape)}")
     if m.dtype != torch.bool:
         m = m == 0  # additive: 0 where attending, a large negative number elsewhere
     return m[-tq:, -tk:].to(device).expand(tq, tk)
@@ -58,6 +59,8 @@ def _one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, sc
 def exact_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, scale: float,
                   mask: torch.Tensor | None) -> torch.Tensor:
     """q [B, Hq, Tq, D], k/v [B, Hk, Tk, D] -> [B, Hq, Tq, D] in the activation dtype."""
+    if q.numel() == 0:  # no batch row, head, query or lane: an empty output, nothing to compute
+        return q.new_zeros(q.shape)
     outs = []
     for b in range(q.shape[0]):
         allowed = allowed_from_mask(mask, b, q.shape[2], k.shape[2], q.device)
@@ -80,6 +83,8 @@ def fp32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 def exact_backward(q, k, v, grad, scale: float, mask, need: tuple[bool, bool, bool]):
     """(dq, dk, dv), None where ``need`` says no: the gradient of FP32 attention."""
+    if q.numel() == 0:  # an empty output depends on nothing
+        return tuple(torch.zeros_like(t) if n else None for t, n in zip((q, k, v), need))
     with autograd_in_op():
         qf, kf, vf = (t.detach().float().requires_grad_(n) for t, n in zip((q, k, v), need))
         out = fp32_attention(qf, kf, vf, scale, mask)

@@ -130,7 +130,7 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     emulator there too (the same forward bits, the straight-through FP32 backward).
 
     Refused, with nothing changed: a model of no supported family (or whose modules were
-    replaced), a RoPE type other than default, a profile whose dtype is not the model's or that
+    replaced), a model on the meta device (no weights yet), a RoPE type other than default, a profile whose dtype is not the model's or that
     records a region as unavailable, a model already patched (:class:`AlreadyPatched`: applying
     twice is an error).
 

@@ -111,6 +111,13 @@ def _check_module(path: str, mod: Any, cls: Any, what: str) -> None:
 
 def check_decoder(d: Decoder) -> None:
     c, m, p = d.classes, d.module, d.path
+    meta = next((n for n, t in (*m.named_parameters(), *m.named_buffers()) if t.is_meta), None)
+    if meta is not None:
+        raise UnsupportedModel(
+            f"{p}.{meta} is on the meta device (no data yet); apply_profile reads the model's RoPE frequencies: "
+            "materialize the model first (model.to_empty(device=...) and load or initialize its weights), then apply "
+            "the profile"
+        )
     layers = list(m.layers)
     if not layers:
         raise UnsupportedModel(f"{p} has no decoder layers")

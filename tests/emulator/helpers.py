@@ -22,6 +22,24 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str = "") -> N
         raise AssertionError(f"{what}: {len(bad)} of {gi.numel()} elements differ, e.g. got {g}, want {w}")
 
 
+def model_state(model):
+    """Everything apply_profile could change: per-instance forwards, hooks, classes, parameter bits."""
+    mods = {
+        n: (m.__dict__.get("forward"), type(m), tuple(m._forward_pre_hooks.items()), tuple(m._forward_hooks.items()),
+            sorted(k for k in m.__dict__ if k.startswith("_emulator")))
+        for n, m in model.named_modules()
+    }
+    params = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    return mods, params
+
+
+def assert_untouched(model, before):
+    mods, params = model_state(model)
+    assert mods == before[0], "apply_profile changed a module although it refused the model"
+    for n in params:
+        assert_same_bits(params[n], before[1][n], n)
+
+
 def activations(shape, dtype, gen: torch.Generator, scale: float = 3.0, specials: bool = True) -> torch.Tensor:
     """Realistic values plus, when ``specials``, NaN, +-Inf, zeros of both signs, values that
     overflow to Inf when summed or squared, subnormals, and exact rounding ties."""

@@ -26,7 +26,7 @@ from engineprofiles.rounding import round_to
 from engineprofiles.schema import make_profile
 from engineprofiles.store import get_profile, shipped_names
 
-from .helpers import assert_same_bits
+from .helpers import assert_same_bits, assert_untouched, model_state
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = ("qwen2", "qwen3", "llama")
@@ -49,24 +49,6 @@ def assert_same_step(a, b, what):
     assert a[1].keys() == b[1].keys(), f"{what}: different parameters got gradients"
     for n in a[1]:
         assert_same_bits(a[1][n], b[1][n], f"{what}: grad of {n}")
-
-
-def model_state(model):
-    """Everything apply_profile could change: per-instance forwards, hooks, classes, parameter bits."""
-    mods = {
-        n: (m.__dict__.get("forward"), type(m), tuple(m._forward_pre_hooks.items()), tuple(m._forward_hooks.items()),
-            sorted(k for k in m.__dict__ if k.startswith("_emulator")))
-        for n, m in model.named_modules()
-    }
-    params = {n: p.detach().clone() for n, p in model.state_dict().items()}
-    return mods, params
-
-
-def assert_untouched(model, before):
-    mods, params = model_state(model)
-    assert mods == before[0], "apply_profile changed a module although it refused the model"
-    for n in params:
-        assert_same_bits(params[n], before[1][n], n)
 
 
 def profile_with(base: str, **sites):
