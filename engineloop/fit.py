@@ -189,7 +189,7 @@ def fit_profiles(pairs: list[tuple[str, Any, dict[str, Any]]], start: "Profile",
             cur = next(r for p, r in results if p == current[region])
             if cur.total.matched < top:
                 p, r = next((p, r) for p, r in results if r.total.matched == top)
-                note(f"in situ: {region} -> {p.label()} ({r.total.rate:.4%} of captured elements match)")
+                note(f"in situ: {region} -> {p.label()} ({r.total.rate:.4%} of all captured elements match with the regions fitted so far)")
                 current[region] = p
                 best = r
                 changed = True
