@@ -474,6 +474,10 @@ def _engine_command(engine: str):
         if in_situ is None:
             in_situ = engine == "vllm" and mode in ("default", "compiled") and device == "cpu" and dtype == "bfloat16" \
                 and region is None and not quick
+            if engine == "vllm" and mode in ("default", "compiled") and not in_situ and region is None and not quick:
+                err.print(f"note: probing op-level: the in-situ fit runs vLLM's CPU build in bfloat16 only (asked: "
+                          f"--dtype {dtype} --device {device}); the profile records method op-level", highlight=False,
+                          markup=False)
         elif in_situ and (quick or region):
             _fail(EngineProfilesError("--quick and --region are op-level options; the in-situ fit covers every region"))
         if not in_situ and (family or capture):

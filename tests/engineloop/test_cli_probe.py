@@ -284,3 +284,15 @@ def test_env_pointing_at_a_program_that_fails_silently_is_an_error_line(tmp_path
     false = "/bin/false" if os.path.exists("/bin/false") else "/usr/bin/false"
     _refused(cli.invoke(app, ["vllm", "--op-level", "--env", false, "-o", str(tmp_path)]), false, "status 1")
     _refused(cli.invoke(app, ["vllm", "--env", false, "-o", str(tmp_path)]), false, "exit 1")  # in situ
+
+
+def test_vllm_in_float16_says_it_probes_op_level_because_in_situ_is_bfloat16_only(tmp_path, monkeypatch):
+    # --dtype float16 cannot run in situ (the capture runs vLLM's CPU build in bfloat16): the
+    # command says so before handing over, and the engine environment is what is missing here.
+    monkeypatch.setattr(probe_runner, "ENGINES_DIR", tmp_path)
+    monkeypatch.setattr(probe_runner, "engine_importable", lambda e: False)
+    monkeypatch.delenv("ENGINEPROFILES_REEXEC", raising=False)
+    r = cli.invoke(app, ["vllm", "--dtype", "float16", "-o", str(tmp_path)])
+    assert "probing op-level" in r.output and "bfloat16 only" in r.output
+    r = cli.invoke(app, ["vllm", "--in-situ", "--dtype", "float16", "-o", str(tmp_path)])
+    assert r.exit_code == 2 and "bfloat16 only" in r.output
