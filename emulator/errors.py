@@ -1,6 +1,9 @@
 """Typed errors of the emulator. Each message says what was wrong and what to do."""
 
-from engineprofiles.errors import EngineProfilesError
+# CapabilityMismatch (a warning: a profile probed on another CPU vector ISA or device) is defined in
+# engineprofiles.errors, where choosing a profile by engine name warns with it too; exact mode warns
+# with the same class, re-exported here.
+from engineprofiles.errors import CapabilityMismatch, EngineProfilesError  # noqa: F401
 
 
 class EmulatorError(EngineProfilesError):
@@ -49,11 +52,6 @@ class CompileUnsupported(PatchError):
 class ExactModeUnavailable(PatchError):
     """apply_profile(..., exact=True) with a profile or model exact mode cannot reproduce (no measured
     attention in the profile, sliding-window attention, attention dropout); nothing was changed."""
-
-
-class CapabilityMismatch(UserWarning):
-    """The profile was probed on another CPU vector ISA (or device) than the one this model runs on:
-    kernels dispatch by ISA, so its evidence may not hold here."""
 
 
 class InexactEvidence(UserWarning):

@@ -72,32 +72,58 @@ def show(profile: str = typer.Argument(..., help="a profile file or shipped name
         p = store.get_profile(profile)
     except EngineProfilesError as e:
         _fail(e)
-    render.show(p, out, name=profile)
+    render.show(p, out, name=f"{profile}: {p.canonical_name}" if store.names_engine(profile) else profile)
 
 
 @app.command("list")
-def list_profiles() -> None:
-    """List the profiles shipped in profiles/ (engine, version, backend, mode, dtype)."""
+def list_profiles(
+    as_json: bool = typer.Option(False, "--json", help="print a JSON list (one object per profile) instead of the table"),
+) -> None:
+    """List the shipped profiles (engine, version, backend, mode, dtype, CPU capability, method).
+
+    `--json`: a JSON list of objects with name, path, engine, version, mode, dtype, device (cpu,
+    cuda), device_name, capability, method, schema and date; an invalid file is {name, path, error}."""
+    import json
+
     from engineprofiles import store
+    from engineprofiles.select import Candidate
 
     d = store.shipped_dir()
     names = store.shipped_names()
+    rows: list[dict] = []
+    for n in names:
+        path = str(d / f"{n}.yaml")
+        try:
+            p = store.get_profile(path)
+        except EngineProfilesError as e:
+            rows.append({"name": n, "path": path, "error": str(e)})
+            continue
+        rows.append({**Candidate.of(n, p).as_dict(), "path": path})
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
     if not names:
         _say(out, f"no shipped profiles in {d}")
         return
     t = Table(title=Text(f"shipped profiles ({d})"))
-    for col in ("name", "engine", "version", "backend", "mode", "dtype", "method", "date"):
-        t.add_column(col)
-    for n in names:
-        try:
-            p = store.get_profile(n)
-        except EngineProfilesError as e:
-            t.add_row(Text(n), Text(f"invalid: {e}", style="red"), "", "", "", "", "", "")
+    # The names are what `show`, `diff` and apply_profile take: never cut or folded (the other
+    # columns wrap first in a narrow terminal; piped, the table is printed at its natural width).
+    t.add_column("name", no_wrap=True, min_width=max(len(n) for n in names))
+    for col in ("engine", "version", "backend", "mode", "dtype", "capability", "method", "date"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        if "error" in r:
+            t.add_row(Text(r["name"]), Text(f"invalid: {r['error']}", style="red"), *[""] * 7)
             continue
-        e = p.engine
-        t.add_row(*(Text(v) for v in (n, e.name, e.version, e.backend, e.execution_mode, p.dtype, p.provenance.method,
-                                      p.provenance.date[:10])))
-    out.print(t)
+        t.add_row(*(Text(str(v)) for v in (r["name"], r["engine"], r["version"], r["device"], r["mode"], r["dtype"],
+                                           r["capability"] or "-", r["method"], r["date"][:10])))
+    console = out
+    if not out.is_terminal:  # piped or redirected: as wide as the table needs (print(width=) only narrows)
+        from rich.measure import Measurement
+
+        natural = Measurement.get(out, out.options.update(max_width=10_000), t).maximum
+        console = Console(file=out.file, width=max(out.width, natural))
+    console.print(t)
 
 
 @app.command()

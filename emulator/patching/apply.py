@@ -118,12 +118,34 @@ def _check_exact(model: torch.nn.Module, decoders: list[Decoder], profile: Profi
     return profile.point("attention")
 
 
+def _model_dtype(model: torch.nn.Module) -> str | None:
+    """The dtype the model computes in (its first floating-point weight that is not a PEFT
+    adapter's), as a profile names it; None for a model without one."""
+    for name, prm in model.named_parameters():
+        if prm.is_floating_point() and not any(part.startswith("lora_") for part in name.split(".")):
+            return str(prm.dtype).removeprefix("torch.")
+    return None
+
+
+def _model_device(model: torch.nn.Module) -> torch.device | None:
+    """Where the model's weights are; None when unknown (no weights, or the meta device, which
+    apply_profile refuses later)."""
+    dev = next((p.device for p in model.parameters()), None)
+    return None if dev is None or dev.type == "meta" else dev
+
+
 def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native: bool = True,
                   exact: bool = False) -> PatchHandle:
     """Patch ``model`` (a HF transformers Qwen2/Qwen2.5, Qwen3 or Llama model, possibly wrapped by
     PEFT or FSDP2) in place so that RoPE, SwiGLU and the residual RMSNorm round where ``profile``
-    says. ``profile``: a Profile, a path or a shipped name. Returns a :class:`PatchHandle`
-    (``remove()`` reverts; also a context manager).
+    says. ``profile``: a Profile, a path, a shipped name, or an engine: ``"vllm"``,
+    ``"vllm==0.32.0"``, ``"vllm:eager"`` (``ENGINE[==VERSION][:MODE]``; the shipped profile that
+    fits this model best: the installed engine version, else the newest; the engine's default mode
+    unless another is asked; the model's dtype and device; this CPU's capability; in situ over
+    op-level. :func:`engineprofiles.store.choose` logs the choice and warns
+    (``VersionMismatch``, ``CapabilityMismatch``) when only a mismatched profile exists; see
+    :mod:`engineprofiles.select`). Returns a :class:`PatchHandle` (``remove()`` reverts; also a
+    context manager).
 
     ``skip_native`` (default): regions where the profile's point is what HF's own module
     computes (:data:`NATIVE`) keep HF's module and its autograd backward; ``False`` runs the
@@ -152,7 +174,7 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     if isinstance(profile, Point) or not isinstance(profile, (Profile, str, os.PathLike)):
         hint = " (a lattice Point is one region's rounding: emulator.functional takes it)" if isinstance(profile, Point) else ""
         raise ProfileMismatch(f"apply_profile needs a Profile, a path or a shipped name; got {type(profile).__name__}{hint}")
-    prof = get_profile(profile)
+    prof = get_profile(profile, dtype=_model_dtype(model), device=_model_device(model))
     act = ACT_DTYPES[prof.dtype]
     decoders = find_decoders(model)
     if not decoders:

@@ -329,6 +329,82 @@ def test_the_handle_is_a_context_manager_and_says_what_it_patched():
     assert not dict(patched_modules(model))
 
 
+# -- choosing the profile by engine name (issue 14) ------------------------------------------------
+
+
+def _expected_vllm_choice():
+    """What apply_profile(model, "vllm") should pick among the shipped profiles on this machine with
+    vLLM not installed: the newest version's compiled (inductor) BF16 CPU profile, in situ; and
+    whether it was probed on this CPU's capability (else a CapabilityMismatch warning)."""
+    from engineprofiles.select import Candidate, version_key
+    from engineprofiles.store import shipped_profiles
+
+    here = torch.backends.cpu.get_cpu_capability()
+    vllm = [Candidate.of(n, p) for n, p in shipped_profiles()]
+    vllm = [c for c in vllm if c.engine == "vllm" and c.mode == "inductor" and c.backend == "cpu" and c.dtype == "bfloat16"]
+    newest = max((c.version for c in vllm), key=version_key)
+    newest_here = [c for c in vllm if c.version == newest and c.capability == here]
+    pool = newest_here or [c for c in vllm if c.version == newest]
+    insitu = [c for c in pool if c.method == "in-situ"]
+    [chosen] = insitu or pool
+    return chosen.name, bool(newest_here)
+
+
+@pytest.mark.parametrize("capability", [None, "AVX2", "AVX512"], ids=["this-cpu", "as-AVX2", "as-AVX512"])
+def test_apply_profile_of_an_engine_name_patches_with_the_shipped_profile_that_fits(capability, monkeypatch, caplog):
+    import logging
+    import warnings
+
+    from engineprofiles import store
+    from engineprofiles.errors import CapabilityMismatch, MismatchedProfile
+
+    monkeypatch.delenv(store.ENV_VAR, raising=False)
+    monkeypatch.setattr(store, "installed_version", lambda engine: None)  # as where vLLM is not installed
+    if capability is not None:  # this machine as if it had another vector ISA
+        monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: capability)
+    name, probed_here = _expected_vllm_choice()
+    assert name.endswith("-insitu")
+    model = tiny_model("qwen2", seed=1)
+    ids = tiny_inputs(model, 12)
+    with caplog.at_level(logging.INFO, logger="engineprofiles.select"), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with emulator.apply_profile(model, "vllm") as h:
+            with torch.no_grad():
+                got = model(ids).logits
+    assert h.profile == get_profile(name)
+    w = [x for x in w if issubclass(x.category, MismatchedProfile)]
+    assert [x.category for x in w] == ([] if probed_here else [CapabilityMismatch])
+    assert all(x.filename == __file__ and name in str(x.message) for x in w)
+    assert any(f"{name} chosen for 'vllm'" in r.getMessage() for r in caplog.records)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CapabilityMismatch)
+        with emulator.apply_profile(model, name):
+            assert_same_bits(model(ids).logits, got, "the chosen profile by its name")
+
+
+def test_apply_profile_of_an_engine_name_takes_the_models_dtype(tmp_path, monkeypatch):
+    from engineprofiles import store
+    from engineprofiles.errors import NoMatchingProfile, UnknownEngine
+
+    monkeypatch.setattr(store, "installed_version", lambda engine: None)
+    monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: "AVX512")
+    d = tmp_path / "profiles"
+    for dtype in ("bfloat16", "float16"):
+        p = get_profile(ALL_EMULATED)
+        p.model_copy(update={"dtype": dtype}).save(d / f"{dtype}.yaml")
+    monkeypatch.setenv(store.ENV_VAR, str(d))
+    model = tiny_model("llama", seed=1, dtype="float16")
+    with emulator.apply_profile(model, "vllm") as h:
+        assert h.profile.dtype == "float16"
+    model = tiny_model("llama", seed=1, dtype="float32")
+    state = model_state(model)
+    with pytest.raises(NoMatchingProfile, match="float32 .the model's dtype.*bfloat16, float16"):
+        emulator.apply_profile(model, "vllm")
+    with pytest.raises(UnknownEngine, match="'vlm'"):
+        emulator.apply_profile(model, "vlm")
+    assert_untouched(model, state)
+
+
 # -- refusals: each leaves the model untouched ----------------------------------------------------
 
 

@@ -64,6 +64,68 @@ def test_list_says_when_nothing_is_shipped(tmp_path, monkeypatch):
     assert r.exit_code == 0 and "no shipped profiles" in r.output
 
 
+def test_list_shows_capability_and_method_and_never_cuts_a_name_when_piped(shipped, tmp_path):
+    d, name = shipped
+    long_name = "vllm-0.32.0rc1-cpu-inductor-bfloat16-insitu-a-name-longer-than-the-terminal-is-wide"
+    (d / f"{long_name}.yaml").write_bytes((d / f"{name}.yaml").read_bytes())
+    for columns in ("40", "80", "250"):
+        r = runner.invoke(app, ["list"], env={"COLUMNS": columns})  # CliRunner's stdout is no terminal: piped
+        assert r.exit_code == 0, r.output
+        lines = r.output.splitlines()
+        for n in (name, long_name):
+            assert any(n in line for line in lines), (columns, n, r.output)
+        header = next(line for line in lines if "name" in line and "engine" in line)
+        for col in ("capability", "method", "mode", "dtype"):
+            assert col in header, (columns, header)
+        row = next(line for line in lines if name in line)
+        assert "synthetic" in row.split(name, 1)[1] and "-" in row  # the method; no capability recorded: -
+
+
+def test_list_json_is_a_list_json_load_accepts(shipped):
+    import json
+
+    d, name = shipped
+    (d / "zz-broken.yaml").write_text("schema_version: 9\n")
+    r = runner.invoke(app, ["list", "--json"], env={"COLUMNS": "40"})
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)
+    assert [x["name"] for x in rows] == [name, "zz-broken"]
+    good, bad = rows
+    assert {k: good[k] for k in ("engine", "version", "mode", "dtype", "device", "capability", "method", "schema")} == {
+        "engine": "synthetic", "version": "0.0", "mode": "eager", "dtype": "bfloat16", "device": "cpu",
+        "capability": None, "method": "synthetic", "schema": 2}
+    assert good["path"] == str(d / f"{name}.yaml")
+    assert "schema_version" in bad["error"] and bad["path"] == str(d / "zz-broken.yaml")
+
+
+def test_list_json_of_the_shipped_profiles_names_each_ones_capability(monkeypatch):
+    import json
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    r = runner.invoke(app, ["list", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)
+    assert rows and all("error" not in x and x["capability"] and x["method"] in ("op-level", "in-situ") for x in rows)
+    assert any(x["name"].endswith("-insitu") and x["method"] == "in-situ" for x in rows)
+
+
+def test_list_json_of_an_empty_folder_is_an_empty_list(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv(ENV_VAR, str(tmp_path))
+    r = runner.invoke(app, ["list", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output) == []
+
+
+def test_show_and_diff_take_an_engine_name(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    r = runner.invoke(app, ["show", "vllm:eager"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "vllm" in r.output and "eager" in r.output
+    r = runner.invoke(app, ["show", "vlm"])
+    assert r.exit_code == 2 and "'vlm'" in r.output and "vllm" in r.output
+
+
 # -- hostile input (issue 17) ----------------------------------------------------------------------
 
 BINARY = b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe binary \x80\x81"

@@ -1,0 +1,344 @@
+"""Choosing a profile by engine name: ``apply_profile(model, "vllm")``.
+
+A profile can be asked for by what it must fit instead of by file or shipped name::
+
+    ENGINE[==VERSION][:MODE]        vllm   vllm==0.32.0   vllm:eager   vllm==0.28.0:compiled   sglang
+
+:func:`select` is the choice itself, a pure function of the candidate profiles (:class:`Candidate`,
+one per profile file) and what is wanted (:class:`Wanted`); it warns and logs nothing and reads
+nothing from the machine, so it is tested without engines. ``engineprofiles.store.choose`` gathers
+the candidates (the shipped profiles, or ``$ENGINEPROFILES_DIR``), the installed engine version and
+this CPU's capability, calls it, logs the choice and issues its warnings.
+
+What must match (else :class:`NoMatchingProfile`): the engine (an engine no profile has and no
+probe adapter knows is :class:`UnknownEngine`); the execution mode (``default`` is the engine's
+default, :data:`engineprofiles.names.DEFAULT_MODES`: vLLM compiled, i.e. ``inductor``; ``:eager``
+asks for another); the model's activation dtype when it is known (else bfloat16 is preferred); an
+explicitly asked version.
+
+What is preferred, in this order, with a :class:`MismatchedProfile` warning when only a mismatched
+profile exists:
+
+1. the device: a profile probed on the model's device type (cpu, cuda), else another
+   (:class:`CapabilityMismatch`);
+2. the version: the engine version installed in this Python (its distribution's metadata; the
+   engine is not imported), else, when it is not installed, the newest version with a profile.
+   When the installed version has no profile, the nearest one: the newest below it, else the
+   oldest above it (:class:`VersionMismatch`);
+3. on CPU, this machine's CPU capability (``torch.backends.cpu.get_cpu_capability()``, recorded in
+   profiles as ``engine.settings.cpu_capability``; :class:`CapabilityMismatch`);
+4. the method: in-situ (fitted on whole models in the running engine) over op-level over synthetic;
+5. the newest probe date, then the name (so the choice is deterministic).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from .errors import CapabilityMismatch, MismatchedProfile, NoMatchingProfile, UnknownEngine, VersionMismatch
+from .names import ACT_DTYPE_NAMES, DEFAULT_MODES, ENGINE_MODES, EXECUTION_MODES, SAFE_NAME
+
+if TYPE_CHECKING:
+    from .schema import Profile
+
+SPEC_SYNTAX = "ENGINE[==VERSION][:MODE]"
+# Engine names carry no dot (so ``name.yaml`` and ``vllm-0.32.0`` are never taken for one); versions
+# are the plain names profiles record; modes are an engine's mode (compiled, eager, default) or an
+# execution mode a profile records (inductor, torch-compile, ...).
+_SPEC = re.compile(rf"(?P<engine>[A-Za-z][A-Za-z0-9_-]{{0,63}})(?:==(?P<version>{SAFE_NAME}))?"
+                   r"(?::(?P<mode>[A-Za-z][A-Za-z0-9_-]{0,63}))?")
+# Methods from most to least preferred: in-situ profiles are fitted on whole models in the running
+# engine (fusion across layers), op-level ones on each region compiled alone.
+METHOD_ORDER = ("in-situ", "op-level", "synthetic")
+KNOWN_ENGINES = tuple(ENGINE_MODES)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A profile asked for by engine: ``vllm``, ``vllm==0.32.0``, ``vllm:eager``."""
+
+    engine: str
+    version: Optional[str] = None
+    mode: str = "default"
+
+    def __str__(self) -> str:
+        return self.engine + (f"=={self.version}" if self.version else "") + (
+            f":{self.mode}" if self.mode != "default" else "")
+
+
+def parse_spec(text: str) -> Optional[Spec]:
+    """The :class:`Spec` ``text`` writes, or None when it is not one (a path, a file name)."""
+    m = _SPEC.fullmatch(text) if isinstance(text, str) else None
+    if m is None:
+        return None
+    return Spec(m["engine"], m["version"], m["mode"] or "default")
+
+
+def engine_version_hint(text: str) -> Optional[str]:
+    """For ``vllm-0.32.0`` (an engine and a version joined by a dash, which is no shipped name):
+    how to ask for it, ``vllm==0.32.0``."""
+    m = re.fullmatch(r"([A-Za-z][A-Za-z0-9_]*)-(v?[0-9][A-Za-z0-9.+_]*)", text) if isinstance(text, str) else None
+    if m is None or m[1] not in KNOWN_ENGINES:
+        return None
+    return f"{m[1]}=={m[2]}"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What choosing needs to know of one profile file."""
+
+    name: str  # the file's stem: what `probe-engine list` shows, what get_profile takes
+    engine: str
+    version: str
+    mode: str  # engine.execution_mode
+    dtype: str
+    backend: str  # cpu, cuda, rocm, xpu
+    capability: Optional[str] = None  # engine.settings.cpu_capability
+    method: str = "op-level"
+    date: str = ""
+    schema: int = 2
+    device_name: str = ""
+
+    @classmethod
+    def of(cls, name: str, profile: "Profile") -> "Candidate":
+        e = profile.engine
+        cap = e.settings.get("cpu_capability")
+        return cls(name=name, engine=e.name, version=e.version, mode=e.execution_mode, dtype=profile.dtype,
+                   backend=e.backend, capability=None if cap is None else str(cap), method=profile.provenance.method,
+                   date=profile.provenance.date, schema=profile.schema_version, device_name=e.device)
+
+    def as_dict(self) -> dict[str, object]:
+        """The fields `probe-engine list --json` prints (``device`` is the device type, cpu or cuda,
+        as ``--device`` names it; ``device_name`` the probe machine's device as the OS names it)."""
+        return {"name": self.name, "engine": self.engine, "version": self.version, "mode": self.mode,
+                "dtype": self.dtype, "device": self.backend, "device_name": self.device_name,
+                "capability": self.capability, "method": self.method, "schema": self.schema, "date": self.date}
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What the chosen profile should fit. ``installed``: the engine version installed in this
+    Python (None: not installed); ``dtype``: the model's (None: unknown, bfloat16 preferred);
+    ``device``: the model's device type; ``capability``: this CPU's (None: unknown)."""
+
+    engine: str
+    version: Optional[str] = None
+    mode: str = "default"
+    dtype: Optional[str] = None
+    device: str = "cpu"
+    capability: Optional[str] = None
+    installed: Optional[str] = None
+
+    @classmethod
+    def of(cls, spec: Spec, **kw: object) -> "Wanted":
+        return cls(engine=spec.engine, version=spec.version, mode=spec.mode, **kw)  # type: ignore[arg-type]
+
+    @property
+    def spec(self) -> str:
+        return str(Spec(self.engine, self.version, self.mode))
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The chosen candidate, why (one phrase per criterion), and the warnings it deserves
+    (category, message): empty when it matches everything asked."""
+
+    candidate: Candidate
+    wanted: Wanted
+    reasons: tuple[str, ...]
+    mismatches: tuple[tuple[type[MismatchedProfile], str], ...] = field(default=())
+
+    @property
+    def name(self) -> str:
+        return self.candidate.name
+
+    def message(self) -> str:
+        return f"profile {self.name} chosen for {self.wanted.spec!r}: " + "; ".join(self.reasons)
+
+
+# -- versions ---------------------------------------------------------------------------------------
+
+_PRE_RELEASE = {"dev": 0, "a": 1, "alpha": 1, "b": 2, "beta": 2, "c": 3, "rc": 3, "pre": 3, "preview": 3}
+_POST_RELEASE = ("post", "r", "rev")
+
+
+def version_key(version: str) -> tuple:
+    """An order on engine versions: release numbers (``0.32`` = ``0.32.0``), pre-releases before the
+    release, post-releases after; a local part (``+cpu``, as vLLM's CPU build may report) ignored."""
+    public = version.split("+", 1)[0].lower()
+    m = re.fullmatch(r"v?(\d+(?:\.\d+)*)[._-]?([a-z]*)[._-]?(\d*)(.*)", public)
+    if m is None:
+        return (0, (), 0, 0, public)
+    release = tuple(int(x) for x in m[1].split("."))
+    while len(release) > 1 and release[-1] == 0:
+        release = release[:-1]
+    tag = m[2]
+    rank = 4 if not tag else 5 if tag in _POST_RELEASE else _PRE_RELEASE.get(tag, 4)
+    return (1, release, rank, int(m[3] or 0), m[4])
+
+
+def same_version(a: str, b: str) -> bool:
+    return version_key(a) == version_key(b)
+
+
+# -- modes ------------------------------------------------------------------------------------------
+
+
+def execution_mode(engine: str, mode: str) -> tuple[Optional[str], str]:
+    """The execution mode a profile must record for ``mode`` of ``engine`` and a phrase saying why;
+    None: any (``default`` of an engine this package has no adapter for)."""
+    table = EXECUTION_MODES.get(engine)
+    if mode == "default":
+        if table is None:
+            return None, "any mode (no default is known for this engine)"
+        default = DEFAULT_MODES[engine]
+        return table[default], f"the engine's default: {default}"
+    if table is not None and mode in table:
+        return table[mode], f"{mode}, as asked"
+    return mode, "as asked"
+
+
+# -- the choice -------------------------------------------------------------------------------------
+
+
+def _listing(values: Sequence[str]) -> str:
+    return ", ".join(sorted(set(values))) or "none"
+
+
+def _versions(values: Sequence[str]) -> str:
+    return ", ".join(sorted(set(values), key=version_key)) or "none"
+
+
+def select(candidates: Sequence[Candidate], wanted: Wanted, *, where: str = "") -> Selection:
+    """The candidate that best fits ``wanted`` (see the module's docstring for the order).
+
+    ``where``: where the candidates came from, for messages (e.g. ``" in /path/profiles"``).
+    Raises :class:`UnknownEngine` for an engine no candidate has and no adapter knows, and
+    :class:`NoMatchingProfile` when no candidate of the engine fits what must match."""
+    w = wanted
+    pool = [c for c in candidates if c.engine == w.engine]
+    if not pool:
+        engines = sorted({c.engine for c in candidates})
+        if w.engine not in KNOWN_ENGINES:
+            names = ", ".join(sorted(c.name for c in candidates)) or "none"
+            raise UnknownEngine(
+                f"no profile file, shipped profile or engine named {w.engine!r}; engines with profiles{where}: "
+                f"{', '.join(engines) or 'none'} (probe-engine probes {', '.join(KNOWN_ENGINES)}); profiles: {names}. "
+                f"Name a profile by engine as {SPEC_SYNTAX}, e.g. vllm, vllm==0.32.0 or vllm:eager"
+            )
+        raise NoMatchingProfile(
+            f"no {w.engine} profile{where} (profiles there are of: {', '.join(engines) or 'none'}); "
+            f"probe it with `probe-engine {w.engine}`"
+        )
+    reasons: list[str] = []
+    mismatches: list[tuple[type[MismatchedProfile], str]] = []
+
+    # -- must match: mode, dtype, an asked version ----------------------------------------------------
+    mode, why = execution_mode(w.engine, w.mode)
+    if mode is not None:
+        fit = [c for c in pool if c.mode == mode]
+        if not fit:
+            choices = ", ".join(sorted(EXECUTION_MODES.get(w.engine, {}))) or "the modes listed"
+            raise NoMatchingProfile(
+                f"no {w.engine} profile{where} in execution mode {mode} ({why}); {w.engine} profiles there are "
+                f"in mode {_listing([c.mode for c in pool])}: ask for one with '{w.engine}:MODE' ({choices}), or probe "
+                f"this mode (`probe-engine {w.engine} --mode ...`)"
+            )
+        pool = fit
+    reasons.append(f"mode {mode} ({why})" if mode is not None else why)
+
+    if w.dtype is not None:
+        fit = [c for c in pool if c.dtype == w.dtype]
+        if not fit:
+            todo = (f"or probe the engine with `--dtype {w.dtype}`" if w.dtype in ACT_DTYPE_NAMES else
+                    f"profiles are measured in activation dtypes ({', '.join(ACT_DTYPE_NAMES)}) only")
+            raise NoMatchingProfile(
+                f"no {w.engine} profile{where} in {w.dtype} (the model's dtype) in mode {mode or 'any'}; there are "
+                f"{_listing([c.dtype for c in pool])} ones: load the model in one of those dtypes; {todo}"
+            )
+        pool = fit
+        reasons.append(f"dtype {w.dtype} (the model's)")
+    else:
+        fit = [c for c in pool if c.dtype == "bfloat16"]
+        pool = fit or pool
+        reasons.append("dtype bfloat16 (preferred; the model's dtype is not known)" if fit else
+                       f"dtype {_listing([c.dtype for c in pool])} (the model's dtype is not known)")
+
+    if w.version is not None:
+        fit = [c for c in pool if same_version(c.version, w.version)]
+        if not fit:
+            raise NoMatchingProfile(
+                f"no {w.engine} {w.version} profile{where} in mode {mode or 'any'}, {_listing([c.dtype for c in pool])}; "
+                f"versions there: {_versions([c.version for c in pool])}. Probe it: scripts/probe.sh {w.engine} "
+                f"{w.version}"
+            )
+        pool = fit
+
+    # -- preferred: device, version, CPU capability, method ---------------------------------------------
+    fit = [c for c in pool if c.backend == w.device]
+    if fit:
+        pool = fit
+        reasons.append(f"device {w.device} (the model's)")
+    else:
+        probed = _listing([c.backend for c in pool])
+        mismatches.append((CapabilityMismatch,
+                           f"no {w.engine} profile{where} was probed on {w.device}, the model's device; using one probed "
+                           f"on {probed}: the engine's {w.device} kernels may round elsewhere. Probe the engine on "
+                           f"{w.device} (`probe-engine {w.engine} --device {w.device}`)"))
+        reasons.append(f"device {probed} (none probed on {w.device})")
+
+    versions = sorted({c.version for c in pool}, key=version_key)
+    if w.version is not None:
+        target = pool[0].version
+        reasons.append(f"version {w.version}, as asked")
+    elif w.installed is not None:
+        exact = [v for v in versions if same_version(v, w.installed)]
+        if exact:
+            target = exact[-1]
+            reasons.append(f"version {target} (installed here)")
+        else:
+            below = [v for v in versions if version_key(v) < version_key(w.installed)]
+            target = below[-1] if below else versions[0]
+            mismatches.append((VersionMismatch,
+                               f"{w.engine} {w.installed} is installed here, and no {w.engine} profile{where} is of that "
+                               f"version (there: {', '.join(versions)}); using {target}, the nearest "
+                               f"{'below' if below else 'above'} it. Its sites may differ from the installed engine's: "
+                               f"probe it (scripts/probe.sh {w.engine} {w.installed.split('+', 1)[0]})"))
+            reasons.append(f"version {target} (nearest to the installed {w.installed}, which has no profile)")
+    else:
+        target = versions[-1]
+        reasons.append(f"version {target} (the newest with a profile; {w.engine} is not installed in this Python)")
+    pool = [c for c in pool if same_version(c.version, target)]
+
+    if w.device == "cpu" and w.capability is not None and all(c.backend == "cpu" for c in pool):
+        fit = [c for c in pool if c.capability == w.capability]
+        if fit:
+            pool = fit
+            reasons.append(f"CPU capability {w.capability} (this machine's)")
+        else:
+            probed = _listing([c.capability or "unrecorded" for c in pool])
+            mismatches.append((CapabilityMismatch,
+                               f"no {w.engine} {target} profile{where} was probed on CPU capability {w.capability} "
+                               f"(this machine's); using one probed on {probed}: the engine's kernels dispatch by vector "
+                               f"ISA, so its evidence (match rates, exact mode's bit-exactness) may not hold here. "
+                               f"Probe the engine on this machine (scripts/probe.sh {w.engine} {target})"))
+            reasons.append(f"CPU capability {probed} (none probed on this machine's {w.capability})")
+
+    def method_rank(c: Candidate) -> int:
+        return METHOD_ORDER.index(c.method) if c.method in METHOD_ORDER else len(METHOD_ORDER)
+
+    best_method = min(method_rank(c) for c in pool)
+    methods = {c.method for c in pool}
+    pool = [c for c in pool if method_rank(c) == best_method]
+    method = pool[0].method
+    if method == "in-situ":
+        reasons.append("in-situ (fitted on whole models in the running engine"
+                       + ("; preferred over op-level)" if len(methods) > 1 else ")"))
+    else:
+        reasons.append(method)
+    pool.sort(key=lambda c: (c.date, c.name))
+    chosen = pool[-1]
+    mismatches = [(cat, f"profile {chosen.name} chosen for {w.spec!r}: {text}") for cat, text in mismatches]
+    return Selection(chosen, w, tuple(reasons), tuple(mismatches))
