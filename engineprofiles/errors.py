@@ -37,6 +37,12 @@ class OutputNotWritable(EngineProfilesError, OSError):
     --ship, no permission; or the write itself failed. Nothing was changed."""
 
 
+class MetricsInputError(EngineProfilesError, ValueError):
+    """The log-probs (or mask, or sequence lengths) given to a mismatch metric cannot be compared:
+    shapes or devices differ, a log-prob is NaN, infinite or positive, the mask is not 0/1 or
+    selects no token. The message says which argument and what to pass instead."""
+
+
 class MissingDependency(EngineProfilesError, ImportError):
     """An optional dependency is not installed. The message names it and the extra that installs
     it (``pip install 'engineprofiles[EXTRA]'``)."""
