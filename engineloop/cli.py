@@ -156,6 +156,141 @@ def diff(
 
 
 @app.command()
+def check(
+    profiles: list[str] = typer.Argument(..., help="profiles to check: files, shipped names or ENGINE[==VERSION][:MODE]"),
+    env: Optional[str] = typer.Option(
+        None, help="engine environment (venv folder, python or version); default: the profile's version's, else the newest"),
+    format: str = typer.Option("table", "--format", "-f", help="table, markdown or json"),
+) -> None:
+    """Re-probe the installed engine a profile was measured on; exit 0 when it still rounds
+    where the profile says, 1 when it does not, 2 on bad input.
+
+    The profile names what to probe: the engine and its version, the execution mode, dtype and
+    device, the probe's seed and sweep, and the regions it measured (op-level, as `probe-engine
+    ENGINE --op-level` probes). Every region's lattice point (its sites and formula variants) and
+    attention's must equal the profile's; match rates, settings and provenance are shown but decide
+    nothing. Several profiles of one engine version are checked in one run, each probe setting
+    probed once.
+
+    Exit 0: every point agrees. Exit 1: a point differs (the diff is printed), or the installed
+    engine is another version than the profile's (said so, nothing probed: that is another engine;
+    check in its environment with --env, or probe it and use `diff`). Exit 2: bad input: an unknown
+    or invalid profile, no environment with the engine, an in-situ profile (refused: its fit runs
+    the whole engine for minutes; check the op-level profile it starts from, or re-fit with
+    `probe-engine vllm --in-situ` and `diff`), a synthetic or patched-model profile, profiles of
+    different engine versions; and a probe that crashed.
+
+    The engine runs in its environment (scripts/engine_env.sh), by default the one of the
+    profile's version, else the newest. On a CPU whose capability (vector ISA) differs from the
+    profile's engine.settings.cpu_capability the profile's evidence belongs to another code path:
+    the points are compared all the same, with a note."""
+    import sys
+    import time
+
+    from engineprofiles import store
+    from engineprofiles.schema import load_profile
+
+    from . import check as chk
+    from . import runner
+
+    if format not in ("table", "markdown", "json"):
+        _fail(EngineProfilesError(f"--format must be table, markdown or json; got {format!r}"))
+    loaded = []  # (name to show and pass on, path, profile)
+    try:
+        for arg in profiles:
+            if store.names_engine(arg):
+                _, chosen = store.choose(arg)
+                name = chosen.candidate.name
+                _say(err, f"{arg}: {name}")
+                path = store.resolve(name)
+            else:
+                name, path = arg, store.resolve(arg)
+            loaded.append((name, path, load_profile(path)))
+        plans = [(n, chk.plan_for(p, n)) for n, _, p in loaded]
+        engine, version = chk.one_engine(plans)
+        importable = runner.engine_importable(engine)
+        here = store.installed_version(engine) if importable else None
+        other_here = here is not None and chk.public_version(here) != chk.public_version(version)
+        if (env or not importable or (other_here and runner.environment_of(engine, version))) \
+                and not os.environ.get("ENGINEPROFILES_REEXEC"):
+            if env:
+                python = runner.find_engine_python(engine, env)
+            else:
+                python = runner.environment_of(engine, version)
+                if python is None:
+                    python = runner.find_engine_python(engine)
+                    _say(err, f"note: no {engine}-{version} environment in {runner.ENGINES_DIR}; trying "
+                              f"{python.parent.parent.name}")
+            argv = ["check", *(n for n, _, _ in loaded), "--format", format]
+            raise typer.Exit(runner.reexec_in(python, argv, lambda m: _say(err, m), codes=(0, 1, 2)))
+        if not runner.engine_importable(engine):
+            raise runner.EngineNotInstalled(
+                f"{engine} is not importable in {sys.executable}; make its environment with "
+                f"`{runner.install_hint(engine)}`")
+        for _, plan in plans:
+            _check_cuda(plan.device)
+    except EngineProfilesError as e:
+        _fail(e)
+
+    t0 = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        _say(err, f"  [{time.perf_counter() - t0:6.1f}s] {msg}")
+
+    outcomes: list = []
+    installed = store.installed_version(engine)
+    try:
+        if installed is not None and chk.public_version(installed) != chk.public_version(version):
+            raise chk.InstalledVersionDiffers(engine, installed, version, f"in {sys.executable}")
+        groups: dict = {}
+        for (name, path, p), (_, plan) in zip(loaded, plans):
+            groups.setdefault(plan, []).append((name, path, p))
+        for plan, members in groups.items():
+            _say(err, f"checking {', '.join(n for n, _, _ in members)}: re-probing {plan.describe()}", "bold")
+            probed = chk.reprobe(plan, progress)
+            for name, path, p in members:
+                outcomes.append(chk.compare(p, probed, name, str(path),
+                                            f"{engine} {probed.engine.version} now"))
+    except chk.InstalledVersionDiffers as e:
+        outcomes = [chk.Outcome(name=n, path=str(path), reason=str(e)) for n, path, _ in loaded]
+    except EngineProfilesError as e:
+        _fail(e)
+    except Exception as e:  # a crash is exit 2, never 1 (which says the engine rounds differently)
+        import traceback
+
+        traceback.print_exc()
+        _fail(EngineProfilesError(f"the probe failed ({type(e).__name__}: {e}); that is an error, not a rounding "
+                                  "difference"))
+    _report_check(outcomes, engine, version, installed, format)
+    global _probe_done
+    _probe_done = True
+    raise typer.Exit(max(o.exit_code for o in outcomes))
+
+
+def _report_check(outcomes: list, engine: str, version: str, installed: Optional[str], format: str) -> None:
+    import json
+
+    from engineprofiles import render
+
+    code = max(o.exit_code for o in outcomes)
+    if format == "json":
+        typer.echo(json.dumps({"engine": engine, "version": version, "installed_version": installed,
+                               "exit_code": code, "profiles": [o.as_dict() for o in outcomes]}, indent=2))
+        return
+    for o in outcomes:
+        for n in o.notes:
+            _say(err, f"note: {o.name}: {n}", "yellow")
+        if format == "markdown":
+            if o.diff is not None:
+                out.print(o.diff.to_markdown(), highlight=False, markup=False, soft_wrap=True)
+            out.print(o.verdict() + "\n", highlight=False, markup=False, soft_wrap=True)
+            continue
+        if o.diff is not None:
+            out.print(render.diff_table(o.diff, summary=False))
+        _say(out, o.verdict(), "green" if o.exit_code == 0 else "red bold")
+
+
+@app.command()
 def mismatch(
     engine: str = typer.Argument("vllm", help="engine that samples: vllm"),
     family: str = typer.Option("qwen2", help="tiny model family: qwen2, qwen3, llama"),

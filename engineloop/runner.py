@@ -91,9 +91,10 @@ def find_engine_python(engine: str, env: str | None = None) -> Path:
     return ready[-1] / "bin" / "python"
 
 
-def reexec_in(python: Path, argv: list[str], note: Callable[[str], None]) -> int:
+def reexec_in(python: Path, argv: list[str], note: Callable[[str], None], codes: tuple[int, ...] = (0, 2)) -> int:
     """Run this same command with the engine environment's python; return its exit code (2, with
-    a message, when that python could not run it or ended without an exit status of its own)."""
+    a message, when that python could not run it or ended without an exit status of its own).
+    ``codes``: the exit statuses the command itself ends with (``check`` adds 1)."""
     note(f"running in the {python.parent.parent.name} environment ({python})")
     env = dict(os.environ, ENGINEPROFILES_REEXEC="1")
     env.setdefault("ENGINEPROFILES_DIR", str(shipped_dir()))
@@ -103,12 +104,19 @@ def reexec_in(python: Path, argv: list[str], note: Callable[[str], None]) -> int
         raise EngineNotInstalled(
             f"cannot run {python} ({e.strerror or e}); is it the python of an environment made by scripts/engine_env.sh?"
         ) from None
-    if code not in (0, 2):  # probe-engine exits 0, or 2 after an error: line of its own
+    if code not in codes:  # probe-engine exits 0, or 2 after an error: line of its own (check: 1 on drift)
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         note(f"error: {python} {how} before the probe finished; is it the python of an environment made by "
              "scripts/engine_env.sh (see its output above, if any)?")
         return 2
     return code
+
+
+def environment_of(engine: str, version: str) -> Path | None:
+    """The python of the ready environment of exactly ``engine`` ``version`` under ENGINES_DIR, if any."""
+    d = ENGINES_DIR / f"{engine}-{version}"
+    python = d / "bin" / "python"
+    return python if (d / ".ready").exists() and python.is_file() else None
 
 
 def _shipped_folders() -> set[str]:

@@ -104,7 +104,9 @@ def show(p: Profile, console: Console, name: str | None = None) -> None:
     console.print(Group(profile_header(p, name), sites_table(p, wide=console.width >= 120), evidence_table(p), notes(p)))
 
 
-def diff_table(d) -> Group:
+def diff_table(d, summary: bool = True) -> Group:
+    """The site-by-site table, the other differences, and (``summary``) the count of sites that
+    differ (``probe-engine check`` prints its own verdict instead: it counts variants too)."""
     t = Table(title=_t(f"{d.a_name}  vs  {d.b_name}"))
     for col in ("region", "site", _t(d.a_name), _t(d.b_name), ""):
         t.add_column(col, overflow="fold")
@@ -125,6 +127,8 @@ def diff_table(d) -> Group:
         for f, a, b in d.context:
             c.add_row(_t(f), _t(a), _t(b))
         parts.append(c)
+    if not summary:
+        return Group(*parts)
     n = len(d.site_differences)
     parts.append(Text("all rounding sites agree" if n == 0 else f"{n} rounding site(s) differ",
                       style="green" if n == 0 else "red bold"))
