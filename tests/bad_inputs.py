@@ -37,17 +37,12 @@ from typing import Any, Callable
 from unittest import mock
 
 # The emulator's kernels read TRITON_INTERPRET when they are defined; tests/emulator/conftest.py
-# refuses to run after they were defined without it. Define them the way that conftest does, so
-# that this module can be imported before or after it.
-_before = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    import emulator.functional as F  # noqa: E402
-finally:
-    if _before is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _before
+# refuses to run after they were defined without it: define them the same way, so that this module
+# can be imported before or after it.
+from .interpreted import import_emulator_interpreted
+
+import_emulator_interpreted()
+import emulator.functional as F  # noqa: E402
 
 import torch  # noqa: E402
 import yaml  # noqa: E402

@@ -9,24 +9,12 @@ subprocesses started by other test folders (engine probes) must not inherit it.
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-_before = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    import emulator.functional  # noqa: E402,F401  (defines every kernel)
-    from emulator.ops import _utils  # noqa: E402
-    from emulator.ops.rope import _rope_fwd_kernel  # noqa: E402
-finally:
-    if _before is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _before
+from ..interpreted import import_emulator_interpreted
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-if not _utils.interpreted(_rope_fwd_kernel):  # pragma: no cover - a setup error, not a test result
+if not import_emulator_interpreted():  # pragma: no cover - a setup error, not a test result
     pytest.exit(
         "emulator.ops was imported before tests/emulator/conftest.py could set TRITON_INTERPRET=1 (its kernels "
         "are compiled for GPUs); run the emulator tests in a fresh pytest process",

@@ -9,6 +9,8 @@ from engineprofiles.regions import REGIONS
 from engineprofiles.schema import make_profile
 from engineprofiles.store import ENV_VAR
 
+from .helpers import evil_capture
+
 runner = CliRunner()
 
 
@@ -263,21 +265,6 @@ def test_mismatch_unknown_family_fails_before_the_run(no_run):
     assert not no_run
 
 
-def _evil_capture(tmp_path):
-    """A torch.save file that runs code when loaded with weights_only=False."""
-    import torch
-
-    marker = tmp_path / "code-ran"
-
-    class Evil:
-        def __reduce__(self):
-            return (os.mkdir, (str(marker),))
-
-    f = tmp_path / "evil.pt"
-    torch.save({"engine": Evil(), "sequences": []}, f)
-    return f, marker
-
-
 @pytest.mark.parametrize("command", [["mismatch"], ["vllm", "--in-situ", "-o", "-"]], ids=["mismatch", "in-situ"])
 def test_a_missing_text_or_code_running_capture_is_an_error_line(tmp_path, command):
     text = tmp_path / "cap.txt"
@@ -285,7 +272,7 @@ def test_a_missing_text_or_code_running_capture_is_an_error_line(tmp_path, comma
     _refused(runner.invoke(app, [*command, "--capture", str(tmp_path / "absent.pt")]), "does not exist")
     _refused(runner.invoke(app, [*command, "--capture", str(text)]), "not a capture file")
     _refused(runner.invoke(app, [*command, "--capture", str(tmp_path)]), "not a regular file")
-    evil, marker = _evil_capture(tmp_path)
+    evil, marker = evil_capture(tmp_path)
     _refused(runner.invoke(app, [*command, "--capture", str(evil)]), "weights_only")
     assert not marker.exists()
 

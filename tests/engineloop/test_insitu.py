@@ -1,8 +1,6 @@
 """In-situ fit and mismatch report, with a trainer-side stand-in for the engine (the real engine
 runs in tests/engines)."""
 
-import os
-
 import pytest
 import torch
 
@@ -13,6 +11,8 @@ from engineloop.standin import capture_from_trainer
 from engineprofiles.models import tiny_model
 from engineloop import runner
 from engineprofiles.store import get_profile
+
+from .helpers import evil_capture
 
 import triton  # noqa: F401,E402  the emulator is a test dependency: without it these tests fail, never skip
 
@@ -110,14 +110,7 @@ def test_an_in_situ_profile_records_the_machine_the_engine_ran_on(model, planted
 def test_a_capture_is_loaded_without_running_code_from_the_file(tmp_path):
     from engineloop.mismatch import CaptureError, load_capture
 
-    marker = tmp_path / "code-ran"
-
-    class Evil:
-        def __reduce__(self):
-            return (os.mkdir, (str(marker),))
-
-    f = tmp_path / "evil.pt"
-    torch.save({"engine": Evil(), "sequences": []}, f)
+    f, marker = evil_capture(tmp_path)
     with pytest.raises(CaptureError, match="weights_only"):
         run_mismatch("vllm", family="qwen2", capture_file=str(f))
     assert not marker.exists()
