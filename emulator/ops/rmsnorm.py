@@ -200,8 +200,11 @@ def _tiles(x2: torch.Tensor, m: int, n: int) -> dict[str, int]:
     interpreter, where every operation costs ~0.1 ms of Python, the largest tiles that fit."""
     chunks = triton.cdiv(max(n, 1), LANES)
     if gpu_tiles(x2):
-        u = min(next_pow2(chunks), 8)
-        bm = max(1, min(next_pow2(m), 2048 // (u * LANES)))
+        # One chunk of LANES columns per load, 8 rows per program. Extracting chunks from a wider
+        # tile (lane_accumulate with U > 1) measured 11x slower forward on an H200
+        # (docs/benchmarks.md, "What the first run found").
+        u = 1
+        bm = max(1, min(next_pow2(m), 2048 // LANES))
     else:
         u = min(next_pow2(chunks), 16)
         bm = max(1, min(next_pow2(m), (1 << 15) // (u * LANES)))

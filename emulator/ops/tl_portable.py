@@ -87,6 +87,8 @@ def lane_accumulate(acc, t, BLOCK_M: tl.constexpr, U: tl.constexpr, LANES: tl.co
     acc never is -0 (it starts at +0, and a sum is -0 only when both terms are), so
     acc + x is unchanged either way.
     """
+    if U == 1:  # a GPU's tiles (see rmsnorm._tiles): one chunk per load, no extraction
+        return acc + t
     t3 = tl.reshape(t, (BLOCK_M, U, LANES))
     u_idx = tl.arange(0, U)[None, :, None]
     for u in tl.static_range(U):

@@ -177,3 +177,30 @@ def test_weight_gradient_order_depends_on_the_row_count_only():
     b = rmsnorm_bwd(x, r, w, EPS, dy, None)[2]
     assert_same_bits(a, b, "run to run")
     assert_same_bits(a, rmsnorm_bwd_torch(x, r, w, EPS, dy, None, "portable")[2], "torch mirror")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_tiles_give_the_same_bits_as_the_interpreter_tiles(dtype, monkeypatch):
+    """A GPU launch uses other tiles (one chunk of lanes per load, see rmsnorm._tiles); the
+    interpreter runs them too when told to, and they must change no bit of forward or backward.
+    (Fails on a tiling that reorders a row's sum: e.g. U > 1 with acc += t instead of extraction.)"""
+    from emulator.ops import _utils
+
+    m, n = 9, 600  # more than one row block of 8, a partial last chunk of lanes
+    x, r, w = _inputs(m, n, dtype, seed=7)
+    dy = activations((m, n), dtype, torch.Generator().manual_seed(8), specials=False)
+    ends = [PLAIN_SPEC.all_points()[0], PLAIN_SPEC.all_points()[-1]]
+    add_ends = [ADD_SPEC.all_points()[0], ADD_SPEC.all_points()[-1]]
+
+    def run():
+        outs = [rmsnorm_fwd(x, w, EPS, p, dtype) for p in ends]
+        for p in add_ends:
+            outs.extend(add_rmsnorm_fwd(x, r, w, EPS, p, dtype))
+        outs.extend(t for t in rmsnorm_bwd(x, r, w, EPS, dy, dy) if t is not None)
+        return outs
+
+    want = run()
+    monkeypatch.setattr(_utils, "FORCE_GPU_TILES", True)
+    got = run()
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_same_bits(a, b, f"output {i} with GPU tiles")
