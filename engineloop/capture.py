@@ -48,6 +48,53 @@ def _full_hidden(calls: list, n: int):
     return None
 
 
+def install_module_hooks(model, state: dict[str, Any]) -> int:
+    """Record, per decoder layer, the residual stream entering it, the two norms' outputs and the
+    MLP's output, while ``state["on"]``: ``state["mods"][layer][name]`` is a list, one tensor per
+    forward call. For an engine whose layers run as Python modules (vLLM's eager mode): a decoder
+    layer takes (positions, hidden_states, residual) and its norms return (normed, residual) once a
+    residual is carried (the fused residual add), the normed tensor alone before."""
+    layers = [m for m in model.modules()
+              if all(hasattr(m, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn"))]
+
+    def put(i: int, name: str, t) -> None:
+        if state["on"] and t is not None:
+            state["mods"].setdefault(i, {}).setdefault(name, []).append(t.detach().clone())
+
+    for i, layer in enumerate(layers):
+        def pre(mod, args, kwargs, _i=i):
+            hidden = args[1] if len(args) > 1 else kwargs.get("hidden_states")
+            residual = args[2] if len(args) > 2 else kwargs.get("residual")
+            if residual is None:  # the first layer: the stream is the embedding
+                put(_i, "residual", hidden)
+
+        def in_norm(mod, args, out, _i=i):
+            if isinstance(out, tuple):
+                put(_i, "in_norm", out[0])
+                put(_i, "residual", out[1])
+            else:
+                put(_i, "in_norm", out)
+
+        def post_norm(mod, args, out, _i=i):
+            put(_i, "post_norm", out[0] if isinstance(out, tuple) else out)
+
+        layer.register_forward_pre_hook(pre, with_kwargs=True)
+        layer.input_layernorm.register_forward_hook(in_norm)
+        layer.post_attention_layernorm.register_forward_hook(post_norm)
+        layer.mlp.register_forward_hook(lambda mod, args, out, _i=i: put(_i, "mlp_out", out))
+    return len(layers)
+
+
+def _full_modules(mods: dict[int, dict[str, list]], n_layers: int, n: int) -> list[dict[str, Any]] | None:
+    """Per layer, the module tensors of the call that saw all n tokens (None when none was recorded)."""
+    if not mods:
+        return None
+    out = []
+    for i in range(n_layers):
+        out.append({name: next((t for t in ts if t.shape[0] == n), None) for name, ts in mods.get(i, {}).items()})
+    return out
+
+
 def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed: int, mode: str = "default") -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: apply_model reaches the live model
     # vLLM's CPU worker reserves most of the machine's memory for the KV cache by default; a tiny
@@ -65,7 +112,7 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
               max_model_len=512, max_num_seqs=1, seed=seed, **kw)
     _log(f"vLLM {vllm.__version__} engine up in {time.perf_counter() - t0:.1f}s")
 
-    state: dict[str, Any] = {"on": False, "attn": {}, "hidden": [], "backend": {}}
+    state: dict[str, Any] = {"on": False, "attn": {}, "hidden": [], "backend": {}, "mods": {}}
 
     def install(model):
         attn_layers = [m for m in model.modules() if type(m).__name__ == "Attention" and hasattr(m, "impl")]
@@ -94,6 +141,8 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
                 return res
 
             impl.forward = wrapped
+        if mode == "eager":  # module hooks: only where the layers run as Python (a compiled graph skips them)
+            install_module_hooks(model, state)
         lp = getattr(model, "logits_processor", None)
         if lp is not None:
             lp.register_forward_pre_hook(
@@ -113,7 +162,7 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
         completion = list(out.token_ids)
         sample_lp = [lp[tok].logprob for lp, tok in zip(out.logprobs, completion)]
         full = prompt + completion
-        state.update(on=True, attn={}, hidden=[])
+        state.update(on=True, attn={}, hidden=[], mods={})
         rp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         res = llm.generate([{"prompt_token_ids": full}], rp, use_tqdm=False)[0]
         state["on"] = False
@@ -125,8 +174,10 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
             call = next((c for c in calls if c["q"].shape[0] == len(full)), None)
             layers.append(call)
         hidden = _full_hidden(state["hidden"], len(full))
+        modules = _full_modules(state["mods"], n_layers, len(full))
         sequences.append(dict(prompt=prompt, completion=completion, sample_logprobs=sample_lp,
-                              prompt_logprobs=prompt_lp, layers=layers, hidden=hidden, sample_calls=sample_calls))
+                              prompt_logprobs=prompt_lp, layers=layers, hidden=hidden, sample_calls=sample_calls,
+                              modules=modules))
         _log(f"sequence {j + 1}/{len(prompts)}: {len(prompt)} prompt + {len(completion)} sampled tokens")
     cfg = llm.llm_engine.vllm_config.compilation_config
     return dict(
