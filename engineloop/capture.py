@@ -48,6 +48,50 @@ def _full_hidden(calls: list, n: int):
     return None
 
 
+EMULATED = {
+    # What an engine process on an AVX2-only x86 CPU would run, on a host with AVX-512: torch's ATen
+    # kernels and Inductor's generated code at AVX2 (ATEN_CPU_CAPABILITY), oneDNN capped at AVX2
+    # (ONEDNN_MAX_CPU_ISA), and vLLM's own kernels from its AVX2 build (_C_AVX2: vLLM picks its
+    # library by torch.cpu._is_avx512_supported(), which reads the hardware, so it is answered here).
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+}
+
+
+def emulate_cpu() -> str | None:
+    """When ``ENGINEPROFILES_EMULATE_CPU`` names a capability (scripts/emulate_cpu.sh sets it with
+    the variables it needs), make this engine process take that capability's code paths; return
+    a description of the emulation for the capture (None when not emulating). Call before vLLM
+    is imported."""
+    want = os.environ.get("ENGINEPROFILES_EMULATE_CPU")
+    if not want:
+        return None
+    if want not in EMULATED:
+        raise SystemExit(f"ENGINEPROFILES_EMULATE_CPU={want!r}: emulable capabilities are {', '.join(EMULATED)}")
+    missing = [f"{k}={v}" for k, v in EMULATED[want].items() if os.environ.get(k) != v]
+    if missing:
+        raise SystemExit(f"emulating {want} needs {' '.join(missing)} set before the process starts "
+                         "(run through scripts/emulate_cpu.sh)")
+    import torch
+
+    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
+                 "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        if hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, lambda: False)
+    return (f"{want.upper()} emulated on a host with {os.environ.get('ENGINEPROFILES_HOST_CAPABILITY', '?')}: "
+            + ", ".join(f"{k}={v}" for k, v in EMULATED[want].items())
+            + ", torch.cpu._is_avx512*/_is_amx* answered False (vLLM loads its AVX2 kernel library)")
+
+
+def kernel_libraries() -> list[str]:
+    """The engine's compiled kernel libraries loaded in this process (e.g. vLLM's _C_AVX2.abi3.so)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({line.split()[-1].rsplit("/", 1)[-1] for line in f
+                           if "/vllm/_C" in line or "/sgl_kernel/" in line})
+    except OSError:
+        return []
+
+
 def install_module_hooks(model, state: dict[str, Any]) -> int:
     """Record, per decoder layer, the residual stream entering it, the two norms' outputs and the
     MLP's output, while ``state["on"]``: ``state["mods"][layer][name]`` is a list, one tensor per
@@ -100,6 +144,7 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
     # vLLM's CPU worker reserves most of the machine's memory for the KV cache by default; a tiny
     # model needs little (GiB).
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    emulated = emulate_cpu()
     import torch
     import vllm
     from vllm import LLM, SamplingParams
@@ -184,6 +229,7 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
         engine=dict(name="vllm", version=str(vllm.__version__), torch_version=str(torch.__version__),
                     compilation_mode=str(getattr(cfg.mode, "name", cfg.mode)), mode=mode,
                     cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                    kernel_libraries=kernel_libraries(), **({"cpu_emulated": emulated} if emulated else {}),
                     attention=dict(state["backend"], torch_threads=torch.get_num_threads(),
                                    split_kv=bool(getattr(vllm.envs, "VLLM_CPU_ATTN_SPLIT_KV", False)))),
         model_dir=model_dir, sequences=sequences, seed=seed, seconds=time.perf_counter() - t0,

@@ -292,6 +292,10 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
     eng = first
     if eng.get("cpu_capability") is not None:
         settings["cpu_capability"] = eng["cpu_capability"]
+    if eng.get("cpu_emulated"):
+        settings["cpu_emulated"] = eng["cpu_emulated"]
+    if eng.get("kernel_libraries"):
+        settings["kernel_libraries"] = list(eng["kernel_libraries"])
     update: dict[str, Any] = {"settings": settings}
     if eng.get("torch_version"):
         update["torch_version"] = eng["torch_version"]

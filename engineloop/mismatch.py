@@ -70,10 +70,14 @@ def trainer_profile_name() -> str:
 
 
 def default_profile_name(engine: str, version: str, mode: str = "default") -> str:
-    """The shipped profile of the engine in ``mode``: the in-situ one where there is one (in situ wins)."""
+    """The shipped profile of the engine in ``mode``: the one probed on this CPU's capability where
+    there is one (AVX512's names carry no capability), and of those the in-situ one (in situ wins)."""
     execution = "inductor" if engine == "vllm" and mode != "eager" else "eager"
     name = f"{engine}-{version}-cpu-{execution}-bfloat16"
-    return f"{name}-insitu" if f"{name}-insitu" in shipped_names() else name
+    here = torch.backends.cpu.get_cpu_capability()
+    shipped = shipped_names()
+    suffixes = ([f"-insitu-{here.lower()}", f"-{here.lower()}"] if here != "AVX512" else []) + ["-insitu", ""]
+    return next((name + s for s in suffixes if name + s in shipped), name)
 
 
 def combine(base: Profile, other: Profile, regions: tuple[str, ...]) -> Profile:

@@ -181,8 +181,15 @@ class Profile(StrictModel):
 
     @property
     def canonical_name(self) -> str:
+        """``engine-version-backend-mode-dtype``, then ``-insitu`` for an in-situ profile, then the CPU
+        capability in lower case when it is recorded and is not AVX512 (``-avx2``): the shipped
+        CPU profiles were first probed on AVX512 and keep their names; one engine version can ship
+        a profile per capability where they differ."""
         e = self.engine
         suffix = "-insitu" if self.provenance.method == "in-situ" else ""
+        cap = e.settings.get("cpu_capability")
+        if e.backend == "cpu" and cap is not None and str(cap) != "AVX512":
+            suffix += f"-{str(cap).lower()}"
         return f"{e.name}-{e.version}-{e.backend}-{e.execution_mode}-{self.dtype}{suffix}"
 
     # -- YAML -----------------------------------------------------------------------------

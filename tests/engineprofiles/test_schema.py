@@ -398,3 +398,16 @@ def test_an_ignored_sighup_during_the_write_stays_ignored(tmp_path):
     assert proc.wait(timeout=30) == 0
     assert target.read_text() == "new\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.yaml", "ready"]
+
+
+def test_canonical_name_carries_the_cpu_capability_except_avx512():
+    """One engine version ships a profile per CPU capability where they differ; AVX512's names (the
+    first probed) carry none, nor do profiles without a recorded capability or of another backend."""
+    assert synthetic_profile().canonical_name == "synthetic-0.0-cpu-eager-bfloat16"
+    assert synthetic_profile(settings={"cpu_capability": "AVX512"}).canonical_name == "synthetic-0.0-cpu-eager-bfloat16"
+    assert synthetic_profile(settings={"cpu_capability": "AVX2"}).canonical_name == "synthetic-0.0-cpu-eager-bfloat16-avx2"
+    assert synthetic_profile(backend="cuda", settings={"cpu_capability": "AVX2"}).canonical_name == \
+        "synthetic-0.0-cuda-eager-bfloat16"
+    insitu = synthetic_profile(settings={"cpu_capability": "AVX2"})
+    insitu = insitu.model_copy(update={"provenance": insitu.provenance.model_copy(update={"method": "in-situ"})})
+    assert insitu.canonical_name == "synthetic-0.0-cpu-eager-bfloat16-insitu-avx2"
