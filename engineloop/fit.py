@@ -274,6 +274,7 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
         if spec.site_part(op) != spec.site_part(win):
             notes.append(f"op-level probe said {op.label()}; in situ wins")
         evidence[region] = dict(
+            scope="whole-model",
             path=f"{first['name']} {first['version']} whole model ({first.get('compilation_mode', '')}), captured in situ",
             match_rate=total.rate,
             runner_up=others[0][1].label() if others else None,
