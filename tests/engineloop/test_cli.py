@@ -95,7 +95,7 @@ def test_list_json_is_a_list_json_load_accepts(shipped):
     good, bad = rows
     assert {k: good[k] for k in ("engine", "version", "mode", "dtype", "device", "capability", "method", "schema")} == {
         "engine": "synthetic", "version": "0.0", "mode": "eager", "dtype": "bfloat16", "device": "cpu",
-        "capability": None, "method": "synthetic", "schema": 2}
+        "capability": None, "method": "synthetic", "schema": 3}
     assert good["path"] == str(d / f"{name}.yaml")
     assert "schema_version" in bad["error"] and bad["path"] == str(d / "zz-broken.yaml")
 
