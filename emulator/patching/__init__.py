@@ -68,9 +68,9 @@ from ..errors import (
 )
 from .apply import apply_profile
 from .families import FAMILIES, NATIVE, Family
-from .handle import PatchHandle, patched_modules
+from .handle import PatchHandle, handle_of, patched_modules
 
 __all__ = [
     "apply_profile", "PatchHandle", "FAMILIES", "NATIVE", "Family", "PatchError", "UnsupportedModel", "AlreadyPatched",
-    "CompileUnsupported", "ResidualStreamLost", "patched_modules",
+    "CompileUnsupported", "ResidualStreamLost", "patched_modules", "handle_of",
 ]
