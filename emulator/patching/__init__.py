@@ -68,9 +68,19 @@ from ..errors import (
 )
 from .apply import apply_profile
 from .families import FAMILIES, NATIVE, Family
+from .entry import ClassPatch, NoRecordedProfile, apply_recorded_profile, patch_family, recorded_profile
 from .handle import PatchHandle, handle_of, patched_modules
 
 __all__ = [
     "apply_profile", "PatchHandle", "FAMILIES", "NATIVE", "Family", "PatchError", "UnsupportedModel", "AlreadyPatched",
-    "CompileUnsupported", "ResidualStreamLost", "patched_modules", "handle_of",
+    "CompileUnsupported", "ResidualStreamLost", "patched_modules", "handle_of", "ClassPatch", "NoRecordedProfile",
+    "apply_recorded_profile", "patch_family", "recorded_profile",
 ]
+
+
+def __getattr__(name: str):
+    if name.startswith("patch_"):  # patch_qwen2, patch_qwen3, patch_llama, ...: one per family
+        from . import entry
+
+        return getattr(entry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,7 @@ import torch
 from engineprofiles.regions import FP32, REGIONS, Point
 from engineprofiles.rounding import ACT_DTYPES
 from engineprofiles.schema import Profile
-from engineprofiles.store import get_profile
+from engineprofiles.store import get_profile, names_engine
 
 from ..errors import (
     AlreadyPatched,
@@ -67,9 +67,15 @@ def _check_patchable(model: torch.nn.Module, decoders: list[Decoder]) -> None:
         for path, mod in d.module.named_modules():
             if "forward" in mod.__dict__:
                 where = f"{d.path}.{path}" if path else d.path
+                fwd = mod.__dict__["forward"]
+                origin = getattr(getattr(fwd, "__func__", fwd), "__module__", None) or ""
+                by = (f"by Liger-Kernel ({origin}: apply_liger_kernel_to_*(model=...) patches instances): Liger and "
+                      "the profile both replace the regions, so one would silently override the other; apply the "
+                      "profile to a model without Liger's rope/rms_norm/swiglu" if origin.startswith("liger_kernel")
+                      else "(accelerate hooks or another patch)")
                 raise UnsupportedModel(
-                    f"{where} ({type(mod).__name__}) already has a per-instance forward (accelerate hooks or another "
-                    "patch); apply_profile binds its own forwards and would discard it"
+                    f"{where} ({type(mod).__name__}) already has a per-instance forward {by}; apply_profile binds its "
+                    "own forwards and would discard it"
                 )
 
 
@@ -121,11 +127,27 @@ def _check_exact(model: torch.nn.Module, decoders: list[Decoder], profile: Profi
                 f"profile {profile.canonical_name} was probed on a CPU with capability {probed_cap}, this one is {here}: "
                 "the engine's kernels dispatch by vector ISA, so exact mode may not be bit-exact here; re-probe the "
                 "engine on this machine", CapabilityMismatch, stacklevel=3)
-    elif dev.type != profile.engine.backend and not (dev.type == "cuda" and profile.engine.backend == "cuda"):
-        warnings.warn(f"profile {profile.canonical_name} was probed on {profile.engine.backend}, the model is on "
-                      f"{dev.type}: exact mode reproduces the profile's engine, which ran elsewhere",
-                      CapabilityMismatch, stacklevel=3)
     return profile.point("attention")
+
+
+def _check_device(model: torch.nn.Module, profile: Profile) -> None:
+    """A profile probed on another device than the model's: a warning (its sites are semantics that
+    hold on any device, but the engine on the model's device may round elsewhere)."""
+    import warnings
+
+    from engineprofiles.store import _device_type
+
+    dev = _model_device(model)
+    if dev is None:
+        return
+    here = _device_type(dev)
+    if here != profile.engine.backend:
+        warnings.warn(
+            f"profile {profile.canonical_name} was probed on {profile.engine.backend}, the model is on {here}: the patch "
+            f"reproduces that engine's rounding on {profile.engine.backend}, and the engine on {here} may round "
+            f"elsewhere. Probe the engine on {here} (probe-engine ENGINE --device {here}) and apply that profile, or "
+            "choose by engine name (apply_profile(model, 'vllm')); warnings.simplefilter('error', CapabilityMismatch) "
+            "makes this an error", CapabilityMismatch, stacklevel=3)
 
 
 def _model_dtype(model: torch.nn.Module) -> str | None:
@@ -152,7 +174,7 @@ def _model_device(model: torch.nn.Module) -> torch.device | None:
 
 
 def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native: bool = True,
-                  exact: bool = False) -> PatchHandle:
+                  exact: bool = False, record: bool = False) -> PatchHandle:
     """Patch ``model`` (a HF transformers Qwen2/Qwen2.5, Qwen3 or Llama model, possibly wrapped by
     PEFT or FSDP2) in place so that RoPE, SwiGLU and the residual RMSNorm round where ``profile``
     says. ``profile``: a Profile, a path, a shipped name, or an engine: ``"vllm"``,
@@ -176,6 +198,15 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     every region is emulated (``skip_native`` does not apply: HF's own modules do not round as the
     profile's point with FP32 weights). A forward that would compute in FP32 (FP32 weights, no
     autocast to the profile's dtype) raises :class:`~emulator.errors.ProfileMismatch`.
+
+    ``record=True`` writes the profile (its YAML) and these options into ``model.config.emulator_profile``,
+    which ``save_pretrained`` saves; :func:`emulator.apply_recorded_profile` (or a class patch without a
+    profile, :func:`emulator.patch_family`) applies it to the loaded model. ``remove()`` takes it out.
+
+    A profile probed on another device than the model's (a CPU profile on a CUDA model) is a
+    :class:`~engineprofiles.errors.CapabilityMismatch` warning (the sites are device-independent
+    semantics; the engine on the model's device may round elsewhere): re-probe there, or turn the
+    warning into an error with ``warnings.simplefilter("error", CapabilityMismatch)``.
 
     Refused, with nothing changed: a model of no supported family (or whose modules were
     replaced), a model on the meta device (no weights yet), a RoPE type other than default, a profile whose dtype is not the model's (nor FP32 master weights') or that
@@ -201,6 +232,8 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
         hint = " (a lattice Point is one region's rounding: emulator.functional takes it)" if isinstance(profile, Point) else ""
         raise ProfileMismatch(f"apply_profile needs a Profile, a path or a shipped name; got {type(profile).__name__}{hint}")
     prof = get_profile(profile, dtype=_model_dtype(model), device=_model_device(model))
+    if not (isinstance(profile, str) and names_engine(profile)):  # (choosing by engine name warns itself)
+        _check_device(model, prof)
     act = ACT_DTYPES[prof.dtype]
     decoders = find_decoders(model)
     if not decoders:
@@ -231,6 +264,7 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
         native=tuple(r for r in REGIONS if not (emulate[r] or (r == "rope" and attention))),
     )
     handle.exact = exact
+    handle.skip_native = skip_native
     # Exact mode for an engine that compiled its regions with Inductor: the norms' FP32 reduction
     # in Inductor's order (the other regions have none). On CPU, where that engine ran.
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
@@ -254,9 +288,16 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
                 hook = checkpointing_hook(d.path)
                 handle._hook(d.module.register_forward_pre_hook(hook), hook)
             handle._set(d.module, "_emulator_patch", PatchRecord(handle, d.module, model, losses))
+            inside = {id(m) for m in d.module.modules()}
+            handle._set(d.module, "_emulator_bound", [b for b in handle._bound if id(b[1]) in inside])
+            handle._hook(d.module.register_forward_pre_hook(_check_bound), _check_bound)
         if not handle.native:
             handle._undo.append(hold_eager_numerics())
             handle._holds_numerics = True
+        if record:
+            from .entry import record as record_in_config
+
+            record_in_config(handle)
     except BaseException:  # pragma: no cover - a bug; leave the model as it was
         handle.remove()
         raise
@@ -313,6 +354,23 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], ac
         pre, post = _purge_pre, _purge_post
         handle._hook(d.module.register_forward_pre_hook(pre), pre)
         handle._hook(d.module.register_forward_hook(post), post)
+
+
+def _check_bound(mod: torch.nn.Module, args: object) -> None:
+    """Before each forward of a patched decoder: the forwards the patch bound are still there. A
+    kernel library patching instances afterwards (Liger's ``apply_liger_kernel_to_*(model=...)``)
+    replaces them, and the region would silently run its code instead of the profile's."""
+    if torch.compiler.is_compiling():
+        return
+    for path, m, fn in mod._emulator_bound:
+        fwd = m.__dict__.get("forward")
+        if getattr(fwd, "__func__", None) is not fn:
+            origin = getattr(getattr(fwd, "__func__", fwd), "__module__", None) or "the class's own forward"
+            raise UnsupportedModel(
+                f"{path}: its forward was replaced after apply_profile patched it (now {origin}), so the profile's "
+                "region no longer runs there. Do not apply other kernel patches (e.g. Liger-Kernel's rope, rms_norm or "
+                "swiglu) to a patched model: remove the patch first (handle.remove()) and choose one of the two"
+            )
 
 
 def _purge_pre(mod: torch.nn.Module, args: object) -> None:

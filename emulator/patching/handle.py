@@ -37,9 +37,11 @@ class PatchHandle:
         self.native = native
         self.modules: list[str] = []
         self.exact = False  # exact mode: attention computed as the profile's engine computes it
+        self.skip_native = True  # apply_profile's option (recorded in the config with record=True)
         self.norm_backend: str | None = None  # exact mode: the norms' emulator backend
         self._undo: list[Callable[[], None]] = []
         self._stashes: list[Stash] = []
+        self._bound: list[tuple[str, torch.nn.Module, Callable[..., Any]]] = []  # (path, module, forward)
         self._hook_fns: list[Callable[..., Any]] = []  # the hooks it registered (a copy's handle removes them)
         self.copy_of: PatchHandle | None = None
         self._holds_numerics = False  # holds Inductor's emulate_precision_casts (guard.py)  # the handle of the model this one's was deep-copied from
@@ -74,6 +76,7 @@ class PatchHandle:
     def _bind(self, path: str, module: torch.nn.Module, fn: Callable[..., Any]) -> None:
         setattr(fn, PATCHED_ATTR, self)  # fn is a fresh closure: marking it marks this patch only
         module.forward = types.MethodType(fn, module)
+        self._bound.append((path, module, fn))
 
         def undo() -> None:
             if module.__dict__.get("forward") is not None:
@@ -119,7 +122,7 @@ class PatchRecord:
         top = memo.get(id(self.top), decoder)  # the copied model, when the copy started at it
         new = PatchHandle(top, h.profile, h.family, h.emulated, h.native)
         new.modules = list(h.modules)
-        new.exact, new.norm_backend, new.copy_of = h.exact, h.norm_backend, h
+        new.exact, new.norm_backend, new.copy_of, new.skip_native = h.exact, h.norm_backend, h, h.skip_native
         new._hook_fns = list(h._hook_fns)
         record = PatchRecord(new, decoder, top, self.losses if top is not decoder else [])
         ACTIVE[decoder] = new
