@@ -156,8 +156,9 @@ FINAL_LOST = (
 def computes_in(act: torch.dtype, weight: torch.Tensor) -> bool:
     """Whether a module with this weight computes in ``act``: weights stored in it, or FP32 master
     weights under ``torch.autocast(dtype=act)`` (FSDP2's MixedPrecisionPolicy hands the forward
-    weights already cast to its param_dtype)."""
-    if weight.dtype == act:
+    weights already cast to its param_dtype). Weights that are not floating point (quantized storage,
+    which the module dequantizes to its own compute dtype) are not judged here."""
+    if weight.dtype == act or not weight.is_floating_point():
         return True
     dev = weight.device.type
     return torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == act

@@ -180,3 +180,23 @@ def test_fsdp2_mixed_precision_over_fp32_master_weights_gives_the_bf16_models_bi
         # reduce_dtype=fp32 averages the ranks' equal gradients exactly.
         for n, w in want[3].items():
             assert_same_bits(g["grads"][n], w.float(), f"{what}: grad of {n}")
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["regions", "exact"])
+def test_exact_mode_and_torch_compile_under_autocast_compute_the_bf16_models_bits(exact):
+    master, ref = master_and_bf16("qwen3")
+    master.train(), ref.train()
+    ids = tiny_inputs(ref, 12, batch=2, seed=3)
+    with emulator.apply_profile(ref, INSITU, skip_native=False, exact=exact):
+        want = step(ref, ids)
+    with emulator.apply_profile(master, INSITU, exact=exact):
+        eager = step(master, ids, autocast=True)
+        compiled = step(torch.compile(master), ids, autocast=True)
+    torch._dynamo.reset()
+    for what, got in (("eager", eager), ("compiled", compiled)):
+        assert_same_bits(got[0], want[0], f"{what}: logits")
+        assert_same_bits(got[2], want[2], f"{what}: loss")
+    assert len(compiled[3]) == len(eager[3])
+    for n, g in compiled[3].items():  # compiled: the eager master's gradients, bit for bit
+        n = n.removeprefix("_orig_mod.")
+        assert_same_bits(g, eager[3][n], f"compiled vs eager under autocast: grad of {n}")
