@@ -322,7 +322,8 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], ac
             handle._hook(d.module.register_forward_pre_hook(refuse), refuse)
     if emulate["swiglu"]:
         for i, layer in enumerate(layers):
-            handle._bind(f"{p}.layers.{i}.mlp", layer.mlp, fw.mlp(points["swiglu"], act))
+            handle._bind(f"{p}.layers.{i}.mlp", layer.mlp,
+                         fw.mlp(points["swiglu"], act, f"{p}.layers.{i}.mlp", handle.profile.canonical_name))
     if emulate["rmsnorm"]:
         handle._bind(f"{p}.layers.0.input_layernorm", layers[0].input_layernorm,
                      fw.norm_plain(points["rmsnorm"], act, to_act=True, backend=norm_backend))
@@ -337,7 +338,8 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], ac
         for i, layer in enumerate(layers):
             handle._bind(f"{p}.layers.{i}.self_attn", layer.self_attn,
                          fw.attention(points["rope"], act, d.family.qk_norm, c["eager_attention"], d.family.name,
-                                      f"{p}.layers.{i}.self_attn", exact_point, rope=(d.rope_theta, d.rotary_dim)))
+                                      f"{p}.layers.{i}.self_attn", exact_point, rope=(d.rope_theta, d.rotary_dim),
+                                      profile_name=handle.profile.canonical_name))
     if emulate["add_rmsnorm"]:
         # The residual stream's state lives on the modules (a deepcopy of the model gets its own).
         stash = Stash()

@@ -33,9 +33,13 @@ def norm_plain(point: Point, act: torch.dtype, *, to_act: bool, backend: str | N
     return forward
 
 
-def mlp(point: Point, act: torch.dtype):
+def mlp(point: Point, act: torch.dtype, path: str = "mlp", profile_name: str = ""):
+    wrong_dtype = wrong_compute_dtype(path, act, profile_name)
+
     def forward(self, x):
         gate, up = opaque.linear(self.gate_proj, x), opaque.linear(self.up_proj, x)
+        if gate.dtype == torch.float32:  # the matmul ran in FP32 (mixed precision without autocast)
+            wrong_dtype()
         return opaque.linear(self.down_proj, F.swiglu(gate, up, point, dtype=act))
 
     return forward
@@ -66,7 +70,7 @@ def embedding():
 
 
 def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Callable[..., Any], family: str,
-              path: str, exact: Any = None, rope: tuple[float, int] | None = None):
+              path: str, exact: Any = None, rope: tuple[float, int] | None = None, profile_name: str = ""):
     """The attention module's forward: RoPE at the profile's point; then HF's attention function, or
     in exact mode (``exact``: the profile's attention point) the engine's attention. ``rope``: (theta,
     rotary_dim) of the patched rotary embedding, to recompute FP32 cos/sin that were cast on the way."""
@@ -82,6 +86,7 @@ def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Ca
         "backward, so it cannot reproduce eager's bits; set config.attention_dropout = 0.0 (engines have none), "
         "or run the patched model eagerly")
 
+    wrong_dtype = wrong_compute_dtype(path, act, profile_name)
     cast_away = refusal_as(ProfileMismatch, (
         f"{path}: the rotary embedding's FP32 cos/sin reached the attention cast to another dtype (e.g. by FSDP2's "
         "cast_forward_inputs) and no position_ids came with them to recompute them; pass position_ids, or shard "
@@ -93,6 +98,8 @@ def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Ca
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         q = opaque.linear(self.q_proj, hidden_states).view(hidden_shape)
+        if q.dtype == torch.float32:  # the matmul ran in FP32 (mixed precision without autocast)
+            wrong_dtype()
         k = opaque.linear(self.k_proj, hidden_states).view(hidden_shape)
         v = opaque.linear(self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
         if qk_norm:
@@ -153,15 +160,31 @@ FINAL_LOST = (
 )
 
 
-def computes_in(act: torch.dtype, weight: torch.Tensor) -> bool:
+def computes_in(act: torch.dtype, weight: Any) -> bool:
     """Whether a module with this weight computes in ``act``: weights stored in it, or FP32 master
     weights under ``torch.autocast(dtype=act)`` (FSDP2's MixedPrecisionPolicy hands the forward
-    weights already cast to its param_dtype). Weights that are not floating point (quantized storage,
-    which the module dequantizes to its own compute dtype) are not judged here."""
-    if weight.dtype == act or not weight.is_floating_point():
+    weights already cast to its param_dtype). What is not a floating-point tensor (quantized storage,
+    which the module dequantizes to its own compute dtype; a module without the weight) is not judged."""
+    if not isinstance(weight, torch.Tensor) or weight.dtype == act or not weight.is_floating_point():
         return True
     dev = weight.device.type
     return torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == act
+
+
+def _matmul_weight(layer: torch.nn.Module) -> Any:
+    """A weight of the layer's first matmul (q_proj), None when the layer has none."""
+    return getattr(getattr(getattr(layer, "self_attn", None), "q_proj", None), "weight", None)
+
+
+def wrong_compute_dtype(path: str, act: torch.dtype, profile_name: str):
+    """The refusal of a patched module whose matmuls computed in another dtype than the profile's (FP32
+    master weights without autocast or FSDP2's param_dtype): raised outside traced code."""
+    a = str(act).removeprefix("torch.")
+    return refusal_as(ProfileMismatch, (
+        f"{path}: the model computes in float32 (its weights are float32 and no torch.autocast(dtype=torch.{a}) is "
+        f"active here), but profile {profile_name} rounds to {a}: the profile's dtype is the compute dtype. Run the "
+        f"forward under torch.autocast(device_type=..., dtype=torch.{a}), shard the model with FSDP2 "
+        f"fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.{a})), or load it in {a}"))
 
 
 def layer(point: Point, act: torch.dtype, path: str, backend: str | None = None, profile_name: str = ""):
@@ -172,18 +195,13 @@ def layer(point: Point, act: torch.dtype, path: str, backend: str | None = None,
     ``self._emulator_first`` (the first layer normalizes its input without an add)."""
     refuse_checkpointing = refusal(checkpointing_message(path))
     lost = refusal_as(ResidualStreamLost, STREAM_LOST.format(path=path))
-    act_name = str(act).removeprefix("torch.")
-    wrong_dtype = refusal_as(ProfileMismatch, (
-        f"{path}: the model computes in float32 (its weights are float32 and no torch.autocast(dtype=torch.{act_name}) "
-        f"is active), but profile {profile_name} rounds to {act_name}: the profile's dtype is the compute dtype. "
-        f"Run the forward under torch.autocast(device_type=..., dtype=torch.{act_name}), shard the model with FSDP2 "
-        f"fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.{act_name})), or load it in {act_name}"))
+    wrong_dtype = wrong_compute_dtype(path, act, profile_name)
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
         if torch.compiler.is_compiling() and getattr(self, "gradient_checkpointing", False) and self.training:
             refuse_checkpointing()  # a layer compiled alone (the whole model refuses before, guard.py)
-        if not computes_in(act, self.mlp.gate_proj.weight):
+        if not computes_in(act, _matmul_weight(self)):
             wrong_dtype()
         stash = self._emulator_stash
         if self._emulator_first:
