@@ -362,17 +362,26 @@ def _check_bound(mod: torch.nn.Module, args: object) -> None:
     """Before each forward of a patched decoder: the forwards the patch bound are still there. A
     kernel library patching instances afterwards (Liger's ``apply_liger_kernel_to_*(model=...)``)
     replaces them, and the region would silently run its code instead of the profile's."""
-    if torch.compiler.is_compiling():
-        return
     for path, m, fn in mod._emulator_bound:
         fwd = m.__dict__.get("forward")
         if getattr(fwd, "__func__", None) is not fn:
-            origin = getattr(getattr(fwd, "__func__", fwd), "__module__", None) or "the class's own forward"
-            raise UnsupportedModel(
-                f"{path}: its forward was replaced after apply_profile patched it (now {origin}), so the profile's "
-                "region no longer runs there. Do not apply other kernel patches (e.g. Liger-Kernel's rope, rms_norm or "
-                "swiglu) to a patched model: remove the patch first (handle.remove()) and choose one of the two"
-            )
+            _replaced(path, getattr(getattr(fwd, "__func__", fwd), "__module__", None) or "the class's own forward")
+
+
+def _replaced(path: str, origin: str) -> None:
+    # Raised outside traced code (disabled below), so that torch.compile reports this error, not Dynamo's own.
+    raise UnsupportedModel(
+        f"{path}: its forward was replaced after apply_profile patched it (now {origin}), so the profile's region "
+        "no longer runs there. Do not apply other kernel patches (e.g. Liger-Kernel's rope, rms_norm or swiglu) to "
+        "a patched model: remove the patch first (handle.remove()) and choose one of the two"
+    )
+
+
+try:
+    _replaced = torch.compiler.disable(_replaced, reason="UnsupportedModel: a forward bound by apply_profile was "
+                                       "replaced (e.g. by Liger-Kernel's instance patch); run eagerly to see which")
+except TypeError:  # pragma: no cover - a torch whose disable takes no reason (before 2.8)
+    _replaced = torch.compiler.disable(_replaced)
 
 
 def _purge_pre(mod: torch.nn.Module, args: object) -> None:

@@ -243,5 +243,8 @@ def test_liger_instance_level_patch_is_refused_before_and_after_apply_profile():
         mlp.__dict__["forward"] = liger_forward().__get__(mlp, type(mlp))  # after: Liger overrides ours
         with pytest.raises(UnsupportedModel, match=r"model.layers.1.mlp: its forward was replaced.*liger_kernel"):
             logits(model, ids)
+        with pytest.raises(UnsupportedModel, match=r"model.layers.1.mlp: its forward was replaced"):
+            logits(torch.compile(model), ids)  # compiled: the same error, not Dynamo's
+        torch._dynamo.reset()
         mlp.__dict__["forward"] = saved
         assert_same_bits(logits(model, ids), want, "with the patch's forward back")
