@@ -344,7 +344,8 @@ def mismatch(
     seed: int = typer.Option(0, help="seed of the model weights, prompts and sampling"),
     env: Optional[str] = typer.Option(None, help="engine environment (venv, python or version)"),
     json_out: Optional[str] = typer.Option(None, "--json", help="also write the numbers as JSON"),
-    plot: Optional[str] = typer.Option(None, help="also draw the result as a PNG, as `probe-engine plot` draws a saved one (needs matplotlib: the plot extra)"),
+    plot: Optional[str] = typer.Option(None, help="also draw the result as a PNG, as `probe-engine plot` draws a "
+                                       "saved one (needs matplotlib: the plot extra)"),
     capture: Optional[str] = typer.Option(None, help="reuse a capture file instead of running the engine"),
     save_capture: Optional[str] = typer.Option(None, help="keep the engine's capture in this file (for --capture)"),
     mode: str = typer.Option("default", help="the engine's execution mode: default (vLLM on CPU: compiled) or eager"),
