@@ -48,11 +48,103 @@ def _full_hidden(calls: list, n: int):
     return None
 
 
+EMULATED = {
+    # What an engine process on an AVX2-only x86 CPU would run, on a host with AVX-512: torch's ATen
+    # kernels and Inductor's generated code at AVX2 (ATEN_CPU_CAPABILITY), oneDNN capped at AVX2
+    # (ONEDNN_MAX_CPU_ISA), and vLLM's own kernels from its AVX2 build (_C_AVX2: vLLM picks its
+    # library by torch.cpu._is_avx512_supported(), which reads the hardware, so it is answered here).
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+}
+
+
+def emulate_cpu() -> str | None:
+    """When ``ENGINEPROFILES_EMULATE_CPU`` names a capability (scripts/emulate_cpu.sh sets it with
+    the variables it needs), make this engine process take that capability's code paths; return
+    a description of the emulation for the capture (None when not emulating). Call before vLLM
+    is imported."""
+    want = os.environ.get("ENGINEPROFILES_EMULATE_CPU")
+    if not want:
+        return None
+    if want not in EMULATED:
+        raise SystemExit(f"ENGINEPROFILES_EMULATE_CPU={want!r}: emulable capabilities are {', '.join(EMULATED)}")
+    missing = [f"{k}={v}" for k, v in EMULATED[want].items() if os.environ.get(k) != v]
+    if missing:
+        raise SystemExit(f"emulating {want} needs {' '.join(missing)} set before the process starts "
+                         "(run through scripts/emulate_cpu.sh)")
+    import torch
+
+    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
+                 "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        if hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, lambda: False)
+    return (f"{want.upper()} emulated on a host with {os.environ.get('ENGINEPROFILES_HOST_CAPABILITY', '?')}: "
+            + ", ".join(f"{k}={v}" for k, v in EMULATED[want].items())
+            + ", torch.cpu._is_avx512*/_is_amx* answered False (vLLM loads its AVX2 kernel library)")
+
+
+def kernel_libraries() -> list[str]:
+    """The engine's compiled kernel libraries loaded in this process (e.g. vLLM's _C_AVX2.abi3.so)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({line.split()[-1].rsplit("/", 1)[-1] for line in f
+                           if "/vllm/_C" in line or "/sgl_kernel/" in line})
+    except OSError:
+        return []
+
+
+def install_module_hooks(model, state: dict[str, Any]) -> int:
+    """Record, per decoder layer, the residual stream entering it, the two norms' outputs and the
+    MLP's output, while ``state["on"]``: ``state["mods"][layer][name]`` is a list, one tensor per
+    forward call. For an engine whose layers run as Python modules (vLLM's eager mode): a decoder
+    layer takes (positions, hidden_states, residual) and its norms return (normed, residual) once a
+    residual is carried (the fused residual add), the normed tensor alone before."""
+    layers = [m for m in model.modules()
+              if all(hasattr(m, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn"))]
+
+    def put(i: int, name: str, t) -> None:
+        if state["on"] and t is not None:
+            state["mods"].setdefault(i, {}).setdefault(name, []).append(t.detach().clone())
+
+    for i, layer in enumerate(layers):
+        def pre(mod, args, kwargs, _i=i):
+            hidden = args[1] if len(args) > 1 else kwargs.get("hidden_states")
+            residual = args[2] if len(args) > 2 else kwargs.get("residual")
+            if residual is None:  # the first layer: the stream is the embedding
+                put(_i, "residual", hidden)
+
+        def in_norm(mod, args, out, _i=i):
+            if isinstance(out, tuple):
+                put(_i, "in_norm", out[0])
+                put(_i, "residual", out[1])
+            else:
+                put(_i, "in_norm", out)
+
+        def post_norm(mod, args, out, _i=i):
+            put(_i, "post_norm", out[0] if isinstance(out, tuple) else out)
+
+        layer.register_forward_pre_hook(pre, with_kwargs=True)
+        layer.input_layernorm.register_forward_hook(in_norm)
+        layer.post_attention_layernorm.register_forward_hook(post_norm)
+        layer.mlp.register_forward_hook(lambda mod, args, out, _i=i: put(_i, "mlp_out", out))
+    return len(layers)
+
+
+def _full_modules(mods: dict[int, dict[str, list]], n_layers: int, n: int) -> list[dict[str, Any]] | None:
+    """Per layer, the module tensors of the call that saw all n tokens (None when none was recorded)."""
+    if not mods:
+        return None
+    out = []
+    for i in range(n_layers):
+        out.append({name: next((t for t in ts if t.shape[0] == n), None) for name, ts in mods.get(i, {}).items()})
+    return out
+
+
 def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed: int, mode: str = "default") -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: apply_model reaches the live model
     # vLLM's CPU worker reserves most of the machine's memory for the KV cache by default; a tiny
     # model needs little (GiB).
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    emulated = emulate_cpu()
     import torch
     import vllm
     from vllm import LLM, SamplingParams
@@ -65,7 +157,7 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
               max_model_len=512, max_num_seqs=1, seed=seed, **kw)
     _log(f"vLLM {vllm.__version__} engine up in {time.perf_counter() - t0:.1f}s")
 
-    state: dict[str, Any] = {"on": False, "attn": {}, "hidden": [], "backend": {}}
+    state: dict[str, Any] = {"on": False, "attn": {}, "hidden": [], "backend": {}, "mods": {}}
 
     def install(model):
         attn_layers = [m for m in model.modules() if type(m).__name__ == "Attention" and hasattr(m, "impl")]
@@ -94,6 +186,8 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
                 return res
 
             impl.forward = wrapped
+        if mode == "eager":  # module hooks: only where the layers run as Python (a compiled graph skips them)
+            install_module_hooks(model, state)
         lp = getattr(model, "logits_processor", None)
         if lp is not None:
             lp.register_forward_pre_hook(
@@ -113,7 +207,7 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
         completion = list(out.token_ids)
         sample_lp = [lp[tok].logprob for lp, tok in zip(out.logprobs, completion)]
         full = prompt + completion
-        state.update(on=True, attn={}, hidden=[])
+        state.update(on=True, attn={}, hidden=[], mods={})
         rp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         res = llm.generate([{"prompt_token_ids": full}], rp, use_tqdm=False)[0]
         state["on"] = False
@@ -125,14 +219,17 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
             call = next((c for c in calls if c["q"].shape[0] == len(full)), None)
             layers.append(call)
         hidden = _full_hidden(state["hidden"], len(full))
+        modules = _full_modules(state["mods"], n_layers, len(full))
         sequences.append(dict(prompt=prompt, completion=completion, sample_logprobs=sample_lp,
-                              prompt_logprobs=prompt_lp, layers=layers, hidden=hidden, sample_calls=sample_calls))
+                              prompt_logprobs=prompt_lp, layers=layers, hidden=hidden, sample_calls=sample_calls,
+                              modules=modules))
         _log(f"sequence {j + 1}/{len(prompts)}: {len(prompt)} prompt + {len(completion)} sampled tokens")
     cfg = llm.llm_engine.vllm_config.compilation_config
     return dict(
         engine=dict(name="vllm", version=str(vllm.__version__), torch_version=str(torch.__version__),
                     compilation_mode=str(getattr(cfg.mode, "name", cfg.mode)), mode=mode,
                     cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                    kernel_libraries=kernel_libraries(), **({"cpu_emulated": emulated} if emulated else {}),
                     attention=dict(state["backend"], torch_threads=torch.get_num_threads(),
                                    split_kv=bool(getattr(vllm.envs, "VLLM_CPU_ATTN_SPLIT_KV", False)))),
         model_dir=model_dir, sequences=sequences, seed=seed, seconds=time.perf_counter() - t0,

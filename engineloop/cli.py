@@ -366,34 +366,18 @@ def mismatch(
     import time
 
     from engineprofiles.extras import require
-    from engineprofiles.names import check_family_name
 
     from . import runner, tables
 
     if engine != "vllm":
         _fail(EngineProfilesError(f"mismatch runs vllm only; {engine!r}: SGLang's CPU engine needs a stub sgl_kernel to start (see docs/mismatch.md)"))
-    size = {k: v for k, v in (("num_hidden_layers", layers), ("hidden_size", hidden),
-                              ("intermediate_size", intermediate), ("num_attention_heads", heads),
-                              ("num_key_value_heads", kv_heads), ("head_dim", head_dim)) if v is not None}
+    size = _size(layers, hidden, intermediate, heads, kv_heads, head_dim)
     # Everything that can be checked is checked before the engine runs (minutes).
     try:
-        check_family_name(family)
-        for k, v in size.items():
-            if v < 1:
-                raise EngineProfilesError(f"{k} must be a positive integer; got {v}")
-        if capture and save_capture:
-            raise EngineProfilesError("--save-capture keeps a new capture; with --capture there is none to keep")
-        if prompt_len < 1 or prompts < 1 or max_tokens < 1:
-            raise EngineProfilesError("--prompts, --max-tokens and --prompt-len must be positive")
-        if mode not in ("default", "compiled", "eager"):
-            raise EngineProfilesError(f"--mode must be default, compiled or eager; got {mode!r}")
-        if json_out:
-            runner.check_output_file(json_out, "--json")
+        _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out)
         if plot:
             runner.check_output_file(plot, "--plot")
             tables.check_plot_available()
-        if save_capture:
-            runner.check_output_file(save_capture, "--save-capture")
         require("insitu", "probe-engine mismatch (the trainer side: HF models patched by the emulator)")
     except EngineProfilesError as e:
         _fail(e)
@@ -423,6 +407,108 @@ def mismatch(
             _say(err, f"wrote {plot}")
     except EngineProfilesError as e:
         _fail(e)
+
+
+def _size(layers, hidden, intermediate, heads, kv_heads, head_dim) -> dict[str, int]:
+    return {k: v for k, v in (("num_hidden_layers", layers), ("hidden_size", hidden),
+                              ("intermediate_size", intermediate), ("num_attention_heads", heads),
+                              ("num_key_value_heads", kv_heads), ("head_dim", head_dim)) if v is not None}
+
+
+def _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out) -> None:
+    """The options of the engine-in-the-loop commands that need no engine: checked before it starts."""
+    from engineprofiles.names import check_family_name
+
+    from . import runner
+
+    check_family_name(family)
+    for k, v in size.items():
+        if v < 1:
+            raise EngineProfilesError(f"{k} must be a positive integer; got {v}")
+    if capture and save_capture:
+        raise EngineProfilesError("--save-capture keeps a new capture; with --capture there is none to keep")
+    if prompt_len < 1 or prompts < 1 or max_tokens < 1:
+        raise EngineProfilesError("--prompts, --max-tokens and --prompt-len must be positive")
+    if mode not in ("default", "compiled", "eager"):
+        raise EngineProfilesError(f"--mode must be default, compiled or eager; got {mode!r}")
+    if json_out:
+        runner.check_output_file(json_out, "--json")
+    if save_capture:
+        runner.check_output_file(save_capture, "--save-capture")
+
+
+@app.command()
+def localize(
+    engine: str = typer.Argument("vllm", help="engine to compare with: vllm"),
+    family: str = typer.Option("qwen2", help="tiny model family: qwen2, qwen3, llama"),
+    trainer: list[str] = typer.Option(["as-is", "profile"], help="trainer(s) to localize: as-is (unpatched), profile "
+                                      "(the engine's profile applied), exact (exact=True); repeat the option for several"),
+    profile: Optional[str] = typer.Option(None, help="the engine's profile (default: its shipped one for the capture's "
+                                          "version and mode)"),
+    mode: str = typer.Option("default", help="the engine's execution mode: default (vLLM on CPU: compiled; only q/k/v, "
+                             "attention output, final hidden states and log-probs observable) or eager (every tensor)"),
+    prompts: int = typer.Option(2, help="number of prompts"),
+    max_tokens: int = typer.Option(8, help="tokens sampled per prompt"),
+    prompt_len: int = typer.Option(12, help="length of the first prompt (the others add 1..4 tokens)"),
+    seed: int = typer.Option(0, help="seed of the model weights, prompts and sampling"),
+    env: Optional[str] = typer.Option(None, help="engine environment (venv, python or version)"),
+    capture: Optional[str] = typer.Option(None, help="reuse a capture file instead of running the engine"),
+    save_capture: Optional[str] = typer.Option(None, help="keep the engine's capture in this file (for --capture)"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="also write the result as JSON"),
+    no_fixes: bool = typer.Option(False, "--no-fixes", help="only localize; do not try the profile changes"),
+    layers: Optional[int] = typer.Option(None, help="tiny model size: decoder layers (default 2)"),
+    hidden: Optional[int] = typer.Option(None, help="tiny model size: hidden size (default 256)"),
+    intermediate: Optional[int] = typer.Option(None, help="tiny model size: MLP width (default 512)"),
+    heads: Optional[int] = typer.Option(None, help="tiny model size: attention heads (default 4)"),
+    kv_heads: Optional[int] = typer.Option(None, help="tiny model size: key/value heads (default 2)"),
+    head_dim: Optional[int] = typer.Option(None, help="tiny model size: head dim (default 64)"),
+) -> None:
+    """Run the engine and the trainer on the same tiny model and name the first tensor whose bits
+    differ (residual stream, norm outputs, q/k/v, attention output, MLP output, final norm,
+    log-probs), the match rate at each, and which profile change (a lattice neighbour of a region,
+    or exact mode) would remove it. Exit 0 when it ran, whatever it found; 2 on bad input."""
+    import json
+    import shlex
+    import sys
+    import time
+
+    from engineprofiles.extras import require
+
+    from . import tables
+
+    if engine != "vllm":
+        _fail(EngineProfilesError(f"localize runs vllm only; {engine!r} has no engine-in-the-loop capture yet"))
+    size = _size(layers, hidden, intermediate, heads, kv_heads, head_dim)
+    try:
+        _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out)
+        from .localize import TRAINERS
+
+        bad = [t for t in trainer if t not in TRAINERS]
+        if bad:
+            raise EngineProfilesError(f"--trainer must be one of {', '.join(TRAINERS)}; got {', '.join(bad)}")
+        require("insitu", "probe-engine localize (the trainer side: HF models patched by the emulator)")
+    except EngineProfilesError as e:
+        _fail(e)
+    from .localize import run_localize
+
+    t0 = time.perf_counter()
+    try:
+        rep = run_localize(engine, family=family, trainers=tuple(dict.fromkeys(trainer)), profile=profile,
+                           prompts=prompts, max_tokens=max_tokens, seed=seed, env=env, capture_file=capture,
+                           save_capture=save_capture, mode=mode, size=size, prompt_len=prompt_len,
+                           try_fixes=not no_fixes, note=lambda m: _say(err, f"  [{time.perf_counter() - t0:6.1f}s] {m}"))
+    except EngineProfilesError as e:
+        _fail(e)
+    rep.command = os.environ.get("ENGINEPROFILES_COMMAND") or shlex.join(["probe-engine", *sys.argv[1:]])
+    out.print(tables.localize_table(rep))
+    if json_out:
+        from engineprofiles.files import write_atomic
+
+        try:
+            write_atomic(Path(json_out), json.dumps(rep.as_dict(), indent=2))
+        except EngineProfilesError as e:
+            _fail(e)
+        _say(err, f"wrote {json_out}")
 
 
 ENGINE_HELP = {

@@ -274,6 +274,7 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
         if spec.site_part(op) != spec.site_part(win):
             notes.append(f"op-level probe said {op.label()}; in situ wins")
         evidence[region] = dict(
+            scope="whole-model",
             path=f"{first['name']} {first['version']} whole model ({first.get('compilation_mode', '')}), captured in situ",
             match_rate=total.rate,
             runner_up=others[0][1].label() if others else None,
@@ -292,6 +293,10 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
     eng = first
     if eng.get("cpu_capability") is not None:
         settings["cpu_capability"] = eng["cpu_capability"]
+    if eng.get("cpu_emulated"):
+        settings["cpu_emulated"] = eng["cpu_emulated"]
+    if eng.get("kernel_libraries"):
+        settings["kernel_libraries"] = list(eng["kernel_libraries"])
     update: dict[str, Any] = {"settings": settings}
     if eng.get("torch_version"):
         update["torch_version"] = eng["torch_version"]

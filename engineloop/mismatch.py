@@ -70,10 +70,14 @@ def trainer_profile_name() -> str:
 
 
 def default_profile_name(engine: str, version: str, mode: str = "default") -> str:
-    """The shipped profile of the engine in ``mode``: the in-situ one where there is one (in situ wins)."""
+    """The shipped profile of the engine in ``mode``: the one probed on this CPU's capability where
+    there is one (AVX512's names carry no capability), and of those the in-situ one (in situ wins)."""
     execution = "inductor" if engine == "vllm" and mode != "eager" else "eager"
     name = f"{engine}-{version}-cpu-{execution}-bfloat16"
-    return f"{name}-insitu" if f"{name}-insitu" in shipped_names() else name
+    here = torch.backends.cpu.get_cpu_capability()
+    shipped = shipped_names()
+    suffixes = ([f"-insitu-{here.lower()}", f"-{here.lower()}"] if here != "AVX512" else []) + ["-insitu", ""]
+    return next((name + s for s in suffixes if name + s in shipped), name)
 
 
 def combine(base: Profile, other: Profile, regions: tuple[str, ...]) -> Profile:
@@ -167,14 +171,13 @@ def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_to
     return load_capture(out)
 
 
-def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | None = None, prompts: int = 4,
-                 max_tokens: int = 16, seed: int = 0, env: str | None = None, workdir: str | None = None,
-                 capture_file: str | None = None, note: Callable[[str], None] = lambda m: None,
-                 mode: str = "default", exact: bool = False, size: dict[str, int] | None = None,
-                 prompt_len: int = 12, save_capture: str | None = None) -> Report:
-    """``mode``: the engine's default (vLLM on CPU: compiled) or ``eager`` (enforce_eager).
-    ``exact``: add the ``exact`` rows (apply_profile(..., exact=True)). ``size``: tiny_model
-    overrides (:data:`SIZE_FIELDS`); ``prompt_len``: length of the first prompt."""
+def model_and_capture(engine: str, family: str, *, size: dict[str, int] | None, capture_file: str | None,
+                      save_capture: str | None, prompts: int, max_tokens: int, seed: int, env: str | None,
+                      workdir: str | None, note: Callable[[str], None], mode: str, prompt_len: int,
+                      what: str = "the mismatch run (the trainer side: HF models patched by the emulator)"):
+    """The tiny trainer model and the engine's capture on the same weights: a capture file's (its
+    recorded size and family checked against the options), or a new engine run (kept in
+    ``save_capture``). What ``probe-engine mismatch`` and ``localize`` start from."""
     if family not in FAMILIES:
         raise EngineProfilesError(f"unknown model family {family!r}; families: {', '.join(FAMILIES)}")
     if mode not in ("default", "compiled", "eager"):
@@ -189,8 +192,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
             raise EngineProfilesError(
                 f"qwen2: head_dim {size['head_dim']} x {heads} heads != hidden {hidden}; vLLM's Qwen2 derives the head "
                 "dim from hidden / heads, so the engine would run another model: make them agree")
-    require("insitu", "the mismatch run (the trainer side: HF models patched by the emulator)")
-    from emulator.patching import apply_profile
+    require("insitu", what)
     from engineprofiles.models import tiny_model
 
     if capture_file:
@@ -220,6 +222,14 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
             torch.save(cap, tmp_out)
             tmp_out.replace(save_capture)
             note(f"capture saved to {save_capture} (reuse it with --capture)")
+    return model, cap
+
+
+def engine_profile(engine: str, cap: dict[str, Any], profile: str | None, *, capture_file: str | None, mode: str,
+                   exact: bool) -> tuple[str, Profile, list[str]]:
+    """The profile to apply for this capture (``profile``, or the engine's shipped one for the
+    capture's version and mode) and the warnings it earns (another engine or version, another CPU
+    capability). ``exact``: the profile must have the engine's attention measured."""
     eng = cap["engine"]
     cap_mode = eng.get("mode", "default")
     if capture_file and mode == "eager" and cap_mode != "eager":
@@ -228,12 +238,9 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     if profile is None and prof_name not in shipped_names():
         raise EngineProfilesError(f"no shipped profile {prof_name} for {engine} {eng['version']}; pass --profile")
     prof = get_profile(prof_name)
-    tname = trainer_profile_name()
-    trainer = get_profile(tname)
-    report = Report(engine=eng, family=family, profile_name=prof_name, trainer_profile_name=tname,
-                    model={k: getattr(model.config, k) for k in SIZE_FIELDS}, prompt_len=len(cap["sequences"][0]["prompt"]))
+    warnings = []
     if prof.engine.name != eng["name"] or prof.engine.version != eng["version"]:
-        report.warnings.append(
+        warnings.append(
             f"profile {prof_name} is from {prof.engine.name} {prof.engine.version}, "
             f"but the samples come from {eng['name']} {eng['version']}"
         )
@@ -244,7 +251,29 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     here = torch.backends.cpu.get_cpu_capability()
     probed = prof.engine.settings.get("cpu_capability")
     if probed is not None and probed != here:
-        report.warnings.append(f"profile {prof_name} was probed on CPU capability {probed}; this machine is {here}")
+        warnings.append(f"profile {prof_name} was probed on CPU capability {probed}; this machine is {here}")
+    return prof_name, prof, warnings
+
+
+def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | None = None, prompts: int = 4,
+                 max_tokens: int = 16, seed: int = 0, env: str | None = None, workdir: str | None = None,
+                 capture_file: str | None = None, note: Callable[[str], None] = lambda m: None,
+                 mode: str = "default", exact: bool = False, size: dict[str, int] | None = None,
+                 prompt_len: int = 12, save_capture: str | None = None) -> Report:
+    """``mode``: the engine's default (vLLM on CPU: compiled) or ``eager`` (enforce_eager).
+    ``exact``: add the ``exact`` rows (apply_profile(..., exact=True)). ``size``: tiny_model
+    overrides (:data:`SIZE_FIELDS`); ``prompt_len``: length of the first prompt."""
+    model, cap = model_and_capture(engine, family, size=size, capture_file=capture_file, save_capture=save_capture,
+                                   prompts=prompts, max_tokens=max_tokens, seed=seed, env=env, workdir=workdir,
+                                   note=note, mode=mode, prompt_len=prompt_len)
+    from emulator.patching import apply_profile
+
+    eng = cap["engine"]
+    prof_name, prof, warnings = engine_profile(engine, cap, profile, capture_file=capture_file, mode=mode, exact=exact)
+    tname = trainer_profile_name()
+    trainer = get_profile(tname)
+    report = Report(engine=eng, family=family, profile_name=prof_name, trainer_profile_name=tname, warnings=warnings,
+                    model={k: getattr(model.config, k) for k in SIZE_FIELDS}, prompt_len=len(cap["sequences"][0]["prompt"]))
     variants: list[tuple[str, Profile | None, bool]] = [("as-is", None, False), ("+ engine profile", prof, False)]
     for label, regs in ABLATIONS.items():
         variants.append((f"+ {label} only", combine(trainer, prof, regs), False))

@@ -12,9 +12,14 @@ STANDIN_IMPL = "engineprofiles_standin"
 
 
 def capture_from_trainer(model, profile=None, *, prompts: int = 2, length: int = 12, completion: int = 6,
-                         seed: int = 0, attention=None) -> dict[str, Any]:
+                         seed: int = 0, attention=None, modules: bool = False) -> dict[str, Any]:
     """``attention``: a point of the attention lattice the stand-in's attention computes (as an
-    engine's kernel would); default: HF's SDPA."""
+    engine's kernel would); default: HF's SDPA. ``modules``: also record what an eager engine
+    shows (each layer's residual stream, norm outputs and MLP output, and the final hidden states;
+    see engineloop.localize)."""
+    from contextlib import nullcontext
+
+    from .localize import MODULE_TENSORS, tracing
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -51,11 +56,13 @@ def capture_from_trainer(model, profile=None, *, prompts: int = 2, length: int =
             comp = torch.randint(1, model.config.vocab_size, (completion,), generator=g).tolist()
             ids = torch.tensor(prompt + comp).unsqueeze(0)
             calls.clear()
-            with torch.no_grad():
+            with torch.no_grad(), (tracing(model) if modules else nullcontext({})) as rec:
                 logits = model(input_ids=ids).logits[0].float()
             lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:].unsqueeze(-1))[:, 0]
             seqs.append(dict(prompt=prompt, completion=comp, sample_logprobs=lp[len(prompt) - 1:].tolist(),
-                             prompt_logprobs=[None] + lp.tolist(), layers=list(calls), hidden=None))
+                             prompt_logprobs=[None] + lp.tolist(), layers=list(calls), hidden=rec.get("final_norm"),
+                             modules=[{n: rec[f"L{i}.{n}"] for n in MODULE_TENSORS} for i in range(len(calls))]
+                             if modules else None))
     finally:
         model.config._attn_implementation = old
         if handle is not None:

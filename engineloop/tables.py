@@ -195,3 +195,49 @@ def in_situ_table(fit) -> Table:
     if runners:
         t.caption = Text("\n".join(f"{name}: {p.label()}" for name, p, _ in runners))
     return t
+
+
+def localize_table(rep) -> Group:
+    """Per trainer: the match rate of every observed tensor in forward order (the first that differs
+    marked), then the changes that move that divergence later or shrink it."""
+    from .localize import PRODUCERS
+
+    e = rep.engine
+    head = Text()
+    head.append(f"{e['name']} {e['version']} ({e.get('compilation_mode', '')}, mode {e.get('mode', 'default')}) vs HF "
+                f"transformers, family {rep.family}\n", style="bold")
+    if rep.model:
+        head.append("model: " + ", ".join(f"{k}={v}" for k, v in rep.model.items()) + "\n")
+    head.append(f"profile: {rep.profile_name}; trainer's own: {rep.trainer_profile_name}\n")
+    for w in rep.warnings:
+        head.append(f"warning: {w}\n", style="red bold")
+    parts: list = [head]
+    for loc in rep.results:
+        first = loc.first
+        t = Table(title=f"trainer {loc.trainer}: " + (f"first divergence at {first.name}" if first else
+                                                       "every observed tensor bit-equal to the engine's"))
+        for col in ("tensor", "bit-equal", "elements", ""):
+            t.add_column(col, no_wrap=True)
+        for r in loc.rows:
+            mark = "<- first divergence" if first is not None and r is first else ""
+            t.add_row(r.name, pct(r.rate), str(r.total) + (" (shapes differ)" if r.shape_differs else ""), mark,
+                      style="bold red" if mark else None)
+        parts.append(t)
+        if first is None:
+            continue
+        kind = first.name.split(".")[-1]
+        parts.append(Text(f"{first.name} is computed by {PRODUCERS[kind]}"))
+        if not loc.candidates_tried:
+            continue
+        if not loc.fixes:
+            parts.append(Text(f"none of the {loc.candidates_tried} changes tried moves the divergence later: it lies "
+                              "outside what the profile's lattice (and exact mode) can change", style="yellow"))
+            continue
+        f = Table(title=f"changes that move it later ({len(loc.fixes)} of {loc.candidates_tried} tried)")
+        for col in ("change", f"{first.name} bit-equal", "removes it", "first divergence then"):
+            f.add_column(col, no_wrap=True)
+        for x in loc.fixes:
+            f.add_row(x.change, pct(x.rate_at_first), "yes" if x.removes else "no",
+                      x.first_after or "none (all bit-equal)")
+        parts.append(f)
+    return Group(*parts)

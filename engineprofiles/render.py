@@ -71,6 +71,8 @@ def evidence_table(p: Profile) -> Table:
     for name, _, entry in p.entries():
         ev = entry.evidence
         flags = [f for f in ("ambiguous", "shape_dependent", "nondeterministic") if getattr(ev, f)]
+        if ev.scope == "whole-model":
+            flags.append("whole-model rate")
         if ev.status == "unavailable":
             flags.append("unavailable")
         ru = "-" if ev.runner_up is None else f"{ev.runner_up} ({_pct(ev.runner_up_match_rate)})"

@@ -24,8 +24,8 @@ from .regions import ATTENTION_SPEC, REGIONS, Point, RegionSpec
 
 # 2: the ``attention`` entry (what exact mode consumes). Version 1 files load with it recorded as
 # not measured (:func:`migrate`); this package writes version 2 only.
-SCHEMA_VERSION = 2
-SUPPORTED_SCHEMA_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3)
 V1_ATTENTION_REASON = "not probed: the profile was written with schema version 1, before attention was measured; re-probe"
 
 Precision = Literal["fp32", "rounded"]
@@ -71,6 +71,11 @@ class ShapeResult(StrictModel):
 class Evidence(StrictModel):
     status: Literal["measured", "unavailable"] = "measured"
     reason: Optional[str] = None
+    # 3: what match_rate and elements count. "region": this region's own outputs (op-level probes,
+    # attention calls). "whole-model": every captured tensor of whole models under the fitted
+    # profile (the in-situ fit changes the regions jointly), the same figures for every region.
+    scope: Literal["region", "whole-model"] = Field(
+        "region", description="what match_rate counts: the region's own outputs, or a whole model's captured tensors")
     path: Optional[str] = Field(None, description="the engine code path that was probed")
     match_rate: Optional[Rate] = Field(None, description="fraction of output elements the winner matches bitwise")
     runner_up: Optional[str] = None
@@ -181,8 +186,15 @@ class Profile(StrictModel):
 
     @property
     def canonical_name(self) -> str:
+        """``engine-version-backend-mode-dtype``, then ``-insitu`` for an in-situ profile, then the CPU
+        capability in lower case when it is recorded and is not AVX512 (``-avx2``): the shipped
+        CPU profiles were first probed on AVX512 and keep their names; one engine version can ship
+        a profile per capability where they differ."""
         e = self.engine
         suffix = "-insitu" if self.provenance.method == "in-situ" else ""
+        cap = e.settings.get("cpu_capability")
+        if e.backend == "cpu" and cap is not None and str(cap) != "AVX512":
+            suffix += f"-{str(cap).lower()}"
         return f"{e.name}-{e.version}-{e.backend}-{e.execution_mode}-{self.dtype}{suffix}"
 
     # -- YAML -----------------------------------------------------------------------------
@@ -286,7 +298,7 @@ def profile_from_data(data: Any, source: str = "<profile>") -> Profile:
             source=source,
             field="schema_version",
         )
-    if version == 1:
+    if version < SCHEMA_VERSION:
         data = migrate(data, source)
     try:
         return Profile.model_validate(data)
@@ -298,12 +310,34 @@ def profile_from_data(data: Any, source: str = "<profile>") -> Profile:
 
 
 def migrate(data: dict[str, Any], source: str = "<profile>") -> dict[str, Any]:
-    """A version 1 profile as version 2: the same regions, attention recorded as not measured."""
-    if "attention" in data:
-        raise ProfileError("schema version 1 has no attention entry (it came with version 2); set schema_version: 2 "
-                           "or remove the entry", source=source, field="attention")
-    return {**data, "schema_version": SCHEMA_VERSION,
-            "attention": {"sites": None, "evidence": {"status": "unavailable", "reason": V1_ATTENTION_REASON}}}
+    """An older profile as the current version. 1 -> 2: the same regions, attention recorded as not
+    measured. 2 -> 3: the regions' evidence of an in-situ profile gets ``scope: whole-model`` (what
+    its figures always were: the whole model's, written into every region), any other ``region``."""
+    version = data.get("schema_version")
+    if version == 1:
+        if "attention" in data:
+            raise ProfileError("schema version 1 has no attention entry (it came with version 2); set schema_version: 2 "
+                               "or remove the entry", source=source, field="attention")
+        data = {**data, "schema_version": 2,
+                "attention": {"sites": None, "evidence": {"status": "unavailable", "reason": V1_ATTENTION_REASON}}}
+        version = 2
+    if version == 2:
+        for name, entry in (data.get("regions") or {}).items() if isinstance(data.get("regions"), dict) else ():
+            ev = entry.get("evidence") if isinstance(entry, dict) else None
+            if isinstance(ev, dict) and "scope" in ev:
+                raise ProfileError(f"schema version 2 has no evidence scope (it came with version 3); set schema_version: "
+                                   "3 or remove it", source=source, field=f"regions.{name}.evidence.scope")
+        prov = data.get("provenance")
+        if isinstance(prov, dict) and prov.get("method") == "in-situ" and isinstance(data.get("regions"), dict):
+            regions = {}
+            for name, entry in data["regions"].items():
+                ev = entry.get("evidence") if isinstance(entry, dict) else None
+                if isinstance(ev, dict) and ev.get("status", "measured") == "measured":
+                    entry = {**entry, "evidence": {**ev, "scope": "whole-model"}}
+                regions[name] = entry
+            data = {**data, "regions": regions}
+        data = {**data, "schema_version": 3}
+    return data
 
 
 def profile_from_yaml(text: str, source: str = "<string>") -> Profile:

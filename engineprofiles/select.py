@@ -100,14 +100,17 @@ class Candidate:
     date: str = ""
     schema: int = 2
     device_name: str = ""
+    emulated: Optional[str] = None  # engine.settings.cpu_emulated: the capability was emulated on another CPU
 
     @classmethod
     def of(cls, name: str, profile: "Profile") -> "Candidate":
         e = profile.engine
         cap = e.settings.get("cpu_capability")
+        emu = e.settings.get("cpu_emulated")
         return cls(name=name, engine=e.name, version=e.version, mode=e.execution_mode, dtype=profile.dtype,
                    backend=e.backend, capability=None if cap is None else str(cap), method=profile.provenance.method,
-                   date=profile.provenance.date, schema=profile.schema_version, device_name=e.device)
+                   date=profile.provenance.date, schema=profile.schema_version, device_name=e.device,
+                   emulated=None if emu is None else str(emu))
 
     def as_dict(self) -> dict[str, object]:
         """The fields `probe-engine list --json` prints (``device`` is the device type, cpu or cuda,
@@ -340,5 +343,8 @@ def select(candidates: Sequence[Candidate], wanted: Wanted, *, where: str = "") 
         reasons.append(method)
     pool.sort(key=lambda c: (c.date, c.name))
     chosen = pool[-1]
+    if chosen.emulated:
+        reasons.append(f"its CPU capability was emulated, not measured on such a CPU ({chosen.emulated}); "
+                       f"`probe-engine check {chosen.name}` re-probes it here")
     mismatches = [(cat, f"profile {chosen.name} chosen for {w.spec!r}: {text}") for cat, text in mismatches]
     return Selection(chosen, w, tuple(reasons), tuple(mismatches))

@@ -113,7 +113,26 @@ def main() -> int:
         rounds = [[per_call(w, args.calls) for w in ways] for _ in range(args.rounds)]
         api, fun, fwd = (statistics.median(r[i] for r in rounds) * 1e6 for i in range(3))
         print(f"{region:<12} {api:8.1f} {fun:12.1f} {fwd:11.1f} {api - fwd:12.1f} {api - fun:16.1f}")
+    # The floor on this machine, measured the same way: what any Python-level region call pays
+    # before it computes anything (an autograd Function that returns its input; one tensor view).
+    x = torch.randn(8, requires_grad=True)
+    floor = {"identity autograd Function": lambda: _Identity.apply(x), "one tensor view": lambda: x.view(8)}
+    for w in floor.values():
+        per_call(w, max(1, args.calls // 10))
+    rounds = [[per_call(w, args.calls) for w in floor.values()] for _ in range(args.rounds)]
+    print("floor: " + "; ".join(f"{name} {statistics.median(r[i] for r in rounds) * 1e6:.1f} us"
+                                for i, name in enumerate(floor)))
     return 0
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
 
 
 if __name__ == "__main__":

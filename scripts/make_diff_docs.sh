@@ -10,6 +10,7 @@ PAIRS=(
   "vllm-0.32.0-cpu-inductor-bfloat16 vllm-0.32.0-cpu-inductor-bfloat16-insitu|vLLM op-level vs in situ (in situ wins)"
   "vllm-0.28.0-cpu-inductor-bfloat16-insitu vllm-0.32.0-cpu-inductor-bfloat16-insitu|vLLM version vs version, in situ"
   "vllm-0.32.0-cpu-inductor-bfloat16 vllm-0.32.0-cpu-eager-bfloat16|vLLM default (compiled) vs enforce_eager"
+  "vllm-0.32.0-cpu-inductor-bfloat16-insitu vllm-0.32.0-cpu-inductor-bfloat16-insitu-avx2|vLLM in situ: AVX512 vs AVX2 (emulated on the AVX512 host, scripts/emulate_cpu.sh)"
   "vllm-0.32.0-cpu-inductor-bfloat16 sglang-0.5.23-cpu-eager-bfloat16|engine vs engine"
   "vllm-0.32.0-cpu-inductor-bfloat16-insitu transformers-$TF-cpu-eager-bfloat16|engine vs trainer: vLLM (in situ)"
   "sglang-0.5.23-cpu-eager-bfloat16 transformers-$TF-cpu-eager-bfloat16|engine vs trainer: SGLang"

@@ -191,7 +191,7 @@ def test_a_profile_written_over_a_file_keeps_its_mode(tmp_path, mode):
     os.chmod(out, mode)
     r = cli.invoke(app, ["transformers", *QUICK, "-o", str(out)])
     assert r.exit_code == 0, r.output
-    assert os.stat(out).st_mode & 0o7777 == mode and yaml.safe_load(out.read_text())["schema_version"] == 2
+    assert os.stat(out).st_mode & 0o7777 == mode and yaml.safe_load(out.read_text())["schema_version"] == 3
 
 
 def test_a_new_profile_honours_the_umask(tmp_path):

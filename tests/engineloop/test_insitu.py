@@ -131,3 +131,21 @@ def test_a_capture_without_what_the_fit_needs_or_with_a_path_for_a_version_is_re
         load_capture(f)
     torch.save(cap, f)
     assert load_capture(f)["engine"] == cap["engine"]
+
+
+@pytest.mark.parametrize("here,shipped,want", [
+    ("AVX512", ["vllm-0.32.0-cpu-inductor-bfloat16", "vllm-0.32.0-cpu-inductor-bfloat16-insitu",
+                "vllm-0.32.0-cpu-inductor-bfloat16-insitu-avx2"], "vllm-0.32.0-cpu-inductor-bfloat16-insitu"),
+    ("AVX2", ["vllm-0.32.0-cpu-inductor-bfloat16", "vllm-0.32.0-cpu-inductor-bfloat16-insitu",
+              "vllm-0.32.0-cpu-inductor-bfloat16-insitu-avx2"], "vllm-0.32.0-cpu-inductor-bfloat16-insitu-avx2"),
+    ("AVX2", ["vllm-0.32.0-cpu-inductor-bfloat16", "vllm-0.32.0-cpu-inductor-bfloat16-insitu"],
+     "vllm-0.32.0-cpu-inductor-bfloat16-insitu"),  # none for AVX2: the AVX512 one (a capability warning follows)
+    ("AVX2", ["vllm-0.32.0-cpu-inductor-bfloat16-avx2", "vllm-0.32.0-cpu-inductor-bfloat16-insitu"],
+     "vllm-0.32.0-cpu-inductor-bfloat16-avx2"),  # this capability's comes before in situ
+])
+def test_the_default_profile_of_a_run_is_this_capabilitys(monkeypatch, here, shipped, want):
+    from engineloop import mismatch
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: here)
+    monkeypatch.setattr(mismatch, "shipped_names", lambda: shipped)
+    assert mismatch.default_profile_name("vllm", "0.32.0") == want

@@ -175,7 +175,7 @@ def test_attention_is_not_one_of_the_regions():
     assert "attention" not in REGIONS
 
 
-def test_a_version_1_profile_loads_with_attention_not_measured_and_dumps_as_version_2():
+def test_a_version_1_profile_loads_with_attention_not_measured_and_dumps_as_the_current_version():
     text = get_profile("vllm-0.32.0-cpu-inductor-bfloat16").to_yaml()
     import yaml
 
@@ -183,7 +183,9 @@ def test_a_version_1_profile_loads_with_attention_not_measured_and_dumps_as_vers
     data["schema_version"] = 1
     del data["attention"]
     p = profile_from_yaml(yaml.safe_dump(data), "v1.yaml")
-    assert p.schema_version == 2 and not p.available("attention")
+    from engineprofiles.schema import SCHEMA_VERSION
+
+    assert p.schema_version == SCHEMA_VERSION == 3 and not p.available("attention")
     assert "schema version 1" in p.attention.evidence.reason
     assert profile_from_yaml(p.to_yaml()).to_yaml() == p.to_yaml()
 

@@ -95,7 +95,7 @@ def test_unknown_precision_names_the_allowed_ones(profile_file, tmp_path):
 
 
 def test_future_schema_version_is_refused(profile_file, tmp_path):
-    path = _mutate(profile_file, tmp_path, lambda d: d.__setitem__("schema_version", 3))
+    path = _mutate(profile_file, tmp_path, lambda d: d.__setitem__("schema_version", 4))
     with pytest.raises(ProfileError) as e:
         load_profile(path)
     msg = str(e.value)
@@ -155,10 +155,22 @@ SHIPPED = sorted((Path(__file__).resolve().parents[2] / "profiles").glob("*.yaml
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_every_shipped_profile_passes_the_constraints_and_round_trips_to_the_same_bytes(path):
+    """A shipped file of the current schema version loads and dumps to its own bytes. One written
+    under an older version (profiles are only ever written by a probe run, so they keep the version
+    they were probed with) loads through the migration: its dump then differs from the file only in
+    what the migration adds (the version number, and scope), and round-trips to itself."""
+    from engineprofiles.schema import SCHEMA_VERSION
+
     text = path.read_text(encoding="utf-8")
     p = load_profile(path)
-    assert p.to_yaml() == text
     assert p.canonical_name == path.stem
+    if yaml.safe_load(text)["schema_version"] == SCHEMA_VERSION:
+        assert p.to_yaml() == text
+        return
+    dumped = p.to_yaml()
+    assert profile_from_yaml(dumped).to_yaml() == dumped
+    added = [ln for ln in dumped.splitlines() if ln not in text.splitlines()]
+    assert added and all(ln.startswith("schema_version:") or ln.strip() == "scope: whole-model" for ln in added), added
 
 
 def test_there_are_shipped_profiles_to_check():
@@ -398,3 +410,50 @@ def test_an_ignored_sighup_during_the_write_stays_ignored(tmp_path):
     assert proc.wait(timeout=30) == 0
     assert target.read_text() == "new\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.yaml", "ready"]
+
+
+def test_canonical_name_carries_the_cpu_capability_except_avx512():
+    """One engine version ships a profile per CPU capability where they differ; AVX512's names (the
+    first probed) carry none, nor do profiles without a recorded capability or of another backend."""
+    assert synthetic_profile().canonical_name == "synthetic-0.0-cpu-eager-bfloat16"
+    assert synthetic_profile(settings={"cpu_capability": "AVX512"}).canonical_name == "synthetic-0.0-cpu-eager-bfloat16"
+    assert synthetic_profile(settings={"cpu_capability": "AVX2"}).canonical_name == "synthetic-0.0-cpu-eager-bfloat16-avx2"
+    assert synthetic_profile(backend="cuda", settings={"cpu_capability": "AVX2"}).canonical_name == \
+        "synthetic-0.0-cuda-eager-bfloat16"
+    insitu = synthetic_profile(settings={"cpu_capability": "AVX2"})
+    insitu = insitu.model_copy(update={"provenance": insitu.provenance.model_copy(update={"method": "in-situ"})})
+    assert insitu.canonical_name == "synthetic-0.0-cpu-eager-bfloat16-insitu-avx2"
+
+
+def test_evidence_scope_says_what_the_rates_count_and_version_2_in_situ_files_migrate_to_whole_model():
+    """Schema 3: ``scope`` is ``region`` (the region's own outputs) or ``whole-model`` (an in-situ fit's
+    figures, the same for every region). A version 2 file has none: an in-situ one loads as
+    whole-model (what its figures were), any other as region; a version 2 file that has one is
+    refused (it came with 3)."""
+    from engineprofiles.store import get_profile
+
+    op = get_profile("vllm-0.32.0-cpu-inductor-bfloat16")
+    insitu = get_profile("vllm-0.32.0-cpu-inductor-bfloat16-insitu")
+    assert {op.entry(n).evidence.scope for n in REGIONS} == {"region"}
+    assert {insitu.entry(n).evidence.scope for n in REGIONS} == {"whole-model"}
+    assert insitu.attention.evidence.scope == "region"  # attention's fit is per attention call
+    for prof, want in ((op, "region"), (insitu, "whole-model")):
+        data = yaml.safe_load(prof.to_yaml())
+        data["schema_version"] = 2
+        for n in REGIONS:
+            data["regions"][n]["evidence"].pop("scope", None)
+        back = profile_from_yaml(yaml.safe_dump(data), "v2.yaml")
+        assert back.schema_version == 3 and {back.entry(n).evidence.scope for n in REGIONS} == {want}
+        assert ("whole-model" in back.to_yaml()) == (want == "whole-model")
+    data = yaml.safe_load(insitu.to_yaml())
+    data["schema_version"] = 2
+    with pytest.raises(ProfileError, match="scope") as e:
+        profile_from_yaml(yaml.safe_dump(data), "v2-with-scope.yaml")
+    assert "v2-with-scope.yaml" in str(e.value)
+
+
+def test_an_unknown_scope_is_refused(profile_file, tmp_path):
+    path = _mutate(profile_file, tmp_path, lambda d: d["regions"]["rope"]["evidence"].__setitem__("scope", "layer"))
+    with pytest.raises(ProfileError) as e:
+        load_profile(path)
+    assert "scope" in str(e.value)

@@ -185,3 +185,13 @@ def test_version_order():
     order = ["0.5.23", "0.9", "0.10.0", "0.32.0rc1", "0.32.0", "0.32.0.post1", "0.33.0.dev0", "0.33"]
     assert sorted(order, key=version_key) == order
     assert version_key("0.32") == version_key("0.32.0") == version_key("0.32.0+cpu") == version_key("v0.32.0")
+
+
+def test_a_profile_of_an_emulated_capability_says_so_when_chosen():
+    from dataclasses import replace
+
+    avx2 = replace(C(method="in-situ", capability="AVX2"), emulated="AVX2 emulated on a host with AVX512: ...")
+    s = pick(SHIPPED + [avx2], W(capability="AVX2"))
+    assert s.candidate == avx2 and not s.mismatches
+    assert "emulated" in s.message() and "probe-engine check" in s.message()
+    assert "emulated" not in pick(SHIPPED + [avx2], W()).message()  # AVX512: the measured one, no such note

@@ -1,0 +1,61 @@
+"""`probe-engine localize` against the real vLLM engine (its own environment) on a tiny Qwen2.
+
+In eager mode every tensor of the engine's forward is observable: the trainer as-is diverges at
+some tensor of the first layer, and exact mode with the shipped profile matches every observed
+tensor bit for bit; in the default (compiled) mode the tensors that cross attention's boundary,
+the final hidden states and the log-probs are compared. A missing engine environment is a
+failure, never a skip. Where this machine's CPU capability is not the profile's, exact mode's
+bit-equality is not claimed (see test_exact_mode.py) and only the localization itself is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engineloop.localize import tensor_names
+from engineloop.mismatch import default_profile_name
+from engineprofiles.store import get_profile
+
+REPO = Path(__file__).resolve().parents[2]
+VERSION = "0.32.0"
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("mode", ["eager", "default"])
+def test_localize_names_the_first_divergence_and_exact_mode_has_none(mode, tmp_path):
+    import torch
+
+    env = REPO / ".engines" / f"vllm-{VERSION}"
+    if not (env / ".ready").exists():
+        pytest.fail(f"the vllm {VERSION} environment is missing: run `scripts/engine_env.sh vllm {VERSION}` "
+                    "(scripts/test.sh does this). Engine tests are not skipped.", pytrace=False)
+    out = tmp_path / "loc.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "engineloop.cli", "localize", "vllm", "--family", "qwen2", "--mode", mode,
+         "--trainer", "as-is", "--trainer", "exact", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=1200, env=dict(os.environ, COLUMNS="120"),
+    )
+    sys.stdout.write(r.stdout[-6000:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    as_is, exact = d["trainers"]
+    names = [t["name"] for t in as_is["tensors"]]
+    if mode == "eager":
+        assert names == tensor_names(2) and not d["unobserved"]
+    else:
+        assert names == [f"L{i}.{t}" for i in range(2) for t in ("q", "k", "v", "attn_out")] + ["final_norm", "logprobs"]
+        assert any("not observable" in w for w in d["warnings"])
+    first = as_is["first_divergence"]
+    assert first is not None and first["layer"] == 0, first
+    assert any(f["removes"] for f in as_is["fixes"]), as_is["fixes"]
+    profile = get_profile(default_profile_name("vllm", VERSION, mode))
+    if profile.engine.settings.get("cpu_capability") in (None, torch.backends.cpu.get_cpu_capability()):
+        assert exact["first_divergence"] is None, exact["tensors"]
+        assert all(t["match_rate"] == 1.0 for t in exact["tensors"])
+        assert as_is["fixes"][0]["change"] == "apply the engine's profile, exact=True"

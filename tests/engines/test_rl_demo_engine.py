@@ -1,0 +1,54 @@
+"""The RL demonstration (engineloop.rl, scripts/rl_demo.py) against the real vLLM engine as the
+rollout worker: two steps on a tiny Qwen2, the policy updated in exact mode and the new weights
+loaded into the running engine. A missing engine environment is a failure, never a skip.
+
+What it checks: after the first update the engine samples with the new weights (the exact-mode
+trainer, which holds the new weights, still reproduces the engine's log-probs; with the old
+weights in the engine it would not), and exact mode's mismatch is never above the profile's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engineloop.mismatch import default_profile_name
+from engineprofiles.store import get_profile
+
+REPO = Path(__file__).resolve().parents[2]
+VERSION = "0.32.0"
+
+
+@pytest.mark.engine
+def test_rl_demo_updates_the_engine_and_exact_mode_tracks_it(tmp_path):
+    env = REPO / ".engines" / f"vllm-{VERSION}"
+    if not (env / ".ready").exists():
+        pytest.fail(f"the vllm {VERSION} environment is missing: run `scripts/engine_env.sh vllm {VERSION}` "
+                    "(scripts/test.sh does this). Engine tests are not skipped.", pytrace=False)
+    out, png = tmp_path / "rl.json", tmp_path / "rl.png"
+    r = subprocess.run([sys.executable, "scripts/rl_demo.py", "--steps", "2", "--lr", "1e-2", "--json", str(out),
+                        "--plot", str(png)], cwd=REPO, capture_output=True, text=True, timeout=1200,
+                       env=dict(os.environ))
+    sys.stdout.write(r.stdout[-3000:] + r.stderr[-3000:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    steps = d["steps"]
+    assert len(steps) == 2 and set(steps[0]["setups"]) == {"as-is", "profile", "exact"}
+    for s in steps:
+        assert s["setups"]["exact"]["k3_kl"] <= s["setups"]["profile"]["k3_kl"]
+    capability = get_profile(default_profile_name("vllm", VERSION)).engine.settings.get("cpu_capability")
+    if capability in (None, torch.backends.cpu.get_cpu_capability()):
+        # Step 2 samples after the first update: with the engine still on the old weights the
+        # updated trainer could not match its log-probs.
+        assert steps[1]["setups"]["exact"]["exact_match"] >= 0.9, steps[1]
+        assert steps[0]["setups"]["exact"]["exact_match"] == 1.0, steps[0]
+    else:
+        print(f"exact mode's bit-equality is not claimed on {torch.backends.cpu.get_cpu_capability()} "
+              f"(the profile was probed on {capability})")
