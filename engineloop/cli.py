@@ -71,7 +71,8 @@ def show(
     """Print a profile's rounding sites per region, with the evidence behind them.
 
     `--json`: {"name": the profile's canonical name, "requested": the argument, "path": its file (null for
-    a profile chosen by engine name among several), "profile": the profile as its YAML file holds it}."""
+    a profile chosen by engine name among several), "profile": the profile as loaded, as its YAML would be
+    written now (a file of an older schema version is migrated)}."""
     import json
 
     import yaml

@@ -32,13 +32,20 @@ def _refused(r, *words):
 # -- show --------------------------------------------------------------------------------------------
 
 
-def test_show_json_is_the_profile_as_its_file_holds_it():
+def test_show_json_is_the_profile_as_loaded():
     r = runner.invoke(app, ["show", INSITU, "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     path = shipped_dir() / f"{INSITU}.yaml"
     assert d["name"] == INSITU and d["requested"] == INSITU and Path(d["path"]) == path
-    assert d["profile"] == yaml.safe_load(path.read_text())
+    # The profile as loaded: the file's content in the current schema (an older file is migrated on load).
+    prof = get_profile(path)
+    assert d["profile"] == yaml.safe_load(prof.to_yaml())
+    assert d["profile"]["schema_version"] == prof.schema_version
+    on_disk = yaml.safe_load(path.read_text())
+    assert d["profile"]["engine"] == on_disk["engine"] and d["profile"]["dtype"] == on_disk["dtype"]
+    for region, entry in on_disk["regions"].items():
+        assert d["profile"]["regions"][region]["sites"] == entry["sites"], region
 
 
 def test_show_json_of_an_engine_name_says_which_profile_was_chosen():
