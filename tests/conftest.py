@@ -83,3 +83,17 @@ def _never_replace_a_special_file(monkeypatch):
 
     monkeypatch.setattr(os, "replace", guard(real_replace))
     monkeypatch.setattr(os, "rename", guard(real_rename))
+
+
+def as_schema_version(data: dict, version: int) -> dict:
+    """A current profile's YAML data as an older schema version wrote it: version 2 has no evidence
+    scope (it came with 3), version 1 no attention entry either (it came with 2)."""
+    import copy
+
+    data = copy.deepcopy(data)
+    data["schema_version"] = version
+    for entry in list(data.get("regions", {}).values()) + [data.get("attention") or {}]:
+        (entry.get("evidence") or {}).pop("scope", None)
+    if version == 1:
+        data.pop("attention", None)
+    return data

@@ -20,6 +20,7 @@ from engineprofiles.models import tiny_model
 from engineprofiles.regions import ATTENTION_SPEC, attention_ref
 from engineprofiles.store import get_profile
 
+from ..conftest import as_schema_version
 from .helpers import assert_same_bits
 
 ENGINE = "vllm-0.32.0-cpu-inductor-bfloat16-insitu"
@@ -32,9 +33,7 @@ def no_attention(tmp_path):
     """A profile file without attention: the engine profile written as schema version 1."""
     import yaml
 
-    data = yaml.safe_load(get_profile(ENGINE).to_yaml())
-    data["schema_version"] = 1
-    del data["attention"]
+    data = as_schema_version(yaml.safe_load(get_profile(ENGINE).to_yaml()), 1)
     f = tmp_path / "v1.yaml"
     f.write_text(yaml.safe_dump(data))
     return str(f)

@@ -19,7 +19,7 @@ from engineloop.cli import app
 from engineprofiles import store
 from engineprofiles.schema import load_profile, profile_from_data
 
-from ..conftest import synthetic_profile
+from ..conftest import as_schema_version, synthetic_profile
 
 cli = CliRunner()
 VLLM = "vllm-0.32.0-cpu-inductor-bfloat16"
@@ -169,8 +169,7 @@ def test_evidence_settings_and_provenance_differences_do_not_count(engine_here, 
 def test_regions_the_profile_did_not_probe_are_neither_probed_nor_compared(engine_here, tmp_path):
     data = shipped_data()
     data["regions"]["swiglu"] = NOT_PROBED
-    data["schema_version"] = 1
-    del data["attention"]  # schema version 1: attention recorded as not probed
+    data = as_schema_version(data, 1)  # schema version 1: attention recorded as not probed
     r = run(str(write(tmp_path, data)))
     assert r.exit_code == 0, r.output
     assert engine_here["calls"][0].regions == ("rope", "add_rmsnorm", "rmsnorm")

@@ -14,6 +14,8 @@ from engineprofiles.regions.attention import exp_poly5_fma
 from engineprofiles.schema import profile_from_yaml
 from engineprofiles.store import get_profile
 
+from ..conftest import as_schema_version
+
 VLLM_CPU = ATTENTION_SPEC.point(dict(logits="fp32", probs="fp32"))  # the variants' first options
 
 
@@ -179,9 +181,7 @@ def test_a_version_1_profile_loads_with_attention_not_measured_and_dumps_as_the_
     text = get_profile("vllm-0.32.0-cpu-inductor-bfloat16").to_yaml()
     import yaml
 
-    data = yaml.safe_load(text)
-    data["schema_version"] = 1
-    del data["attention"]
+    data = as_schema_version(yaml.safe_load(text), 1)
     p = profile_from_yaml(yaml.safe_dump(data), "v1.yaml")
     from engineprofiles.schema import SCHEMA_VERSION
 
@@ -195,8 +195,8 @@ def test_a_version_1_profile_with_an_attention_entry_is_refused():
 
     from engineprofiles.errors import ProfileError
 
-    data = yaml.safe_load(get_profile("vllm-0.32.0-cpu-inductor-bfloat16").to_yaml())
-    data["schema_version"] = 1
+    data = as_schema_version(yaml.safe_load(get_profile("vllm-0.32.0-cpu-inductor-bfloat16").to_yaml()), 2)
+    data["schema_version"] = 1  # but with the attention entry
     with pytest.raises(ProfileError, match="attention") as e:
         profile_from_yaml(yaml.safe_dump(data), "v1.yaml")
     assert "v1.yaml" in str(e.value)
