@@ -12,8 +12,11 @@ from typing import Any
 
 from .errors import BackendError, EmulatorError, InputError, ProfileMismatch, RegionUnavailable
 
+_PATCHING = ("apply_profile", "PatchHandle", "handle_of", "apply_recorded_profile", "recorded_profile",
+             "patch_family", "ClassPatch")
+
 __all__ = [
-    "functional", "apply_profile", "PatchHandle",
+    "functional", *_PATCHING, "patch_qwen2", "patch_qwen3", "patch_llama",
     "EmulatorError", "RegionUnavailable", "ProfileMismatch", "BackendError", "InputError",
 ]
 
@@ -21,6 +24,6 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name == "functional":
         return importlib.import_module(".functional", __name__)
-    if name in ("apply_profile", "PatchHandle"):  # model patching (emulator/patching/)
+    if name in _PATCHING or name.startswith("patch_"):  # model patching (emulator/patching/); patch_<family>
         return getattr(importlib.import_module(".patching", __name__), name)
     raise AttributeError(f"module 'emulator' has no attribute {name!r}")

@@ -46,6 +46,7 @@ Profile reads its schema, which torch.compile runs outside the graph (a graph br
 
 from __future__ import annotations
 
+import contextlib
 import math as _math
 import os
 from pathlib import Path
@@ -144,6 +145,14 @@ def _point_and_dtype(
     return prof.point(region), act
 
 
+def _fp32_math(device: torch.device):
+    """The regions compute in FP32 with explicit rounding: a caller's torch.autocast (mixed
+    precision) must not cast their FP32 arithmetic (e.g. exact attention's FP32 matmul) down."""
+    if device.type != "meta" and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 # -- input checks ---------------------------------------------------------------------------------
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -224,10 +233,11 @@ def rope(
     cs3 = _rows_last(cos.float().reshape(t, hc, half))
     sn3 = _rows_last(sin.float().reshape(t, hc, half))
     backend = _backend_for(x.device)
-    if torch.compiler.is_compiling():
-        y = rope_op(x3, cs3, sn3, point_key(point), style, act, backend)
-    else:
-        y = RoPEFunction.apply(x3, cs3, sn3, point, style, act, backend)
+    with _fp32_math(x3.device):
+        if torch.compiler.is_compiling():
+            y = rope_op(x3, cs3, sn3, point_key(point), style, act, backend)
+        else:
+            y = RoPEFunction.apply(x3, cs3, sn3, point, style, act, backend)
     return y.reshape(x.shape)
 
 
@@ -252,10 +262,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, profile: ProfileLike, *,
     n = gate.shape[-1]
     m = _math.prod(gate.shape[:-1])
     g2, u2, backend = gate.reshape(m, n), up.reshape(m, n), _backend_for(gate.device)
-    if torch.compiler.is_compiling():
-        y = swiglu_op(g2, u2, point_key(point), act, backend)
-    else:
-        y = SwiGLUFunction.apply(g2, u2, point, act, backend)
+    with _fp32_math(g2.device):
+        if torch.compiler.is_compiling():
+            y = swiglu_op(g2, u2, point_key(point), act, backend)
+        else:
+            y = SwiGLUFunction.apply(g2, u2, point, act, backend)
     return y.reshape(gate.shape)
 
 
@@ -284,10 +295,11 @@ def rmsnorm(
     _check_norm(op, x, weight, eps)
     point, act = _point_and_dtype(profile, "rmsnorm", op, x, dtype)
     x2, w, backend = _rows(x), weight.contiguous(), _backend_for(x.device, backend)
-    if torch.compiler.is_compiling():
-        y = rmsnorm_op(x2, w, float(eps), point_key(point), act, backend)
-    else:
-        y = RMSNormFunction.apply(x2, w, float(eps), point, act, backend)
+    with _fp32_math(x2.device):
+        if torch.compiler.is_compiling():
+            y = rmsnorm_op(x2, w, float(eps), point_key(point), act, backend)
+        else:
+            y = RMSNormFunction.apply(x2, w, float(eps), point, act, backend)
     return y.reshape(x.shape)
 
 
@@ -317,10 +329,11 @@ def add_rmsnorm(
         raise InputError(f"add_rmsnorm: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
     point, act = _point_and_dtype(profile, "add_rmsnorm", op, x, dtype)
     x2, r2, w, backend = _rows(x), _rows(residual), weight.contiguous(), _backend_for(x.device, backend)
-    if torch.compiler.is_compiling():
-        out, res = add_rmsnorm_op(x2, r2, w, float(eps), point_key(point), act, backend)
-    else:
-        out, res = AddRMSNormFunction.apply(x2, r2, w, float(eps), point, act, backend)
+    with _fp32_math(x2.device):
+        if torch.compiler.is_compiling():
+            out, res = add_rmsnorm_op(x2, r2, w, float(eps), point_key(point), act, backend)
+        else:
+            out, res = AddRMSNormFunction.apply(x2, r2, w, float(eps), point, act, backend)
     return out.reshape(x.shape), res.reshape(x.shape)
 
 
@@ -392,7 +405,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, profile: Profil
         s = float(scale) if scale is not None else (q.shape[-1] ** -0.5 if q.shape[-1] else 1.0)
     except (TypeError, ValueError):
         raise InputError(f"attention: scale must be a number (or None for D**-0.5), got {type(scale).__name__}") from None
-    if torch.compiler.is_compiling():
-        return attention_op(q, k, v, point_key(point), s, attention_mask)
-    return ExactAttentionFunction.apply(q, k, v, point, s, attention_mask)
+    with _fp32_math(q.device):
+        if torch.compiler.is_compiling():
+            return attention_op(q, k, v, point_key(point), s, attention_mask)
+        return ExactAttentionFunction.apply(q, k, v, point, s, attention_mask)
 

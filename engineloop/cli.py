@@ -64,15 +64,60 @@ def validate(profiles: list[str] = typer.Argument(..., help="profile files or sh
 
 
 @app.command()
-def show(profile: str = typer.Argument(..., help="a profile file or shipped name")) -> None:
-    """Print a profile's rounding sites per region, with the evidence behind them."""
+def show(
+    profile: str = typer.Argument(..., help="a profile file, shipped name or engine (vllm, vllm==0.32.0:eager)"),
+    as_json: bool = typer.Option(False, "--json", help="print the profile as one JSON object instead of the tables"),
+) -> None:
+    """Print a profile's rounding sites per region, with the evidence behind them.
+
+    `--json`: {"name": the profile's canonical name, "requested": the argument, "path": its file (null for
+    a profile chosen by engine name among several), "profile": the profile as loaded, as its YAML would be
+    written now (a file of an older schema version is migrated)}."""
+    import json
+
+    import yaml
+
     from engineprofiles import render, store
 
     try:
         p = store.get_profile(profile)
+        path = None if store.names_engine(profile) else str(store.resolve(profile))
     except EngineProfilesError as e:
         _fail(e)
-    render.show(p, out, name=f"{profile}: {p.canonical_name}" if store.names_engine(profile) else profile)
+    if as_json:
+        typer.echo(json.dumps({"name": p.canonical_name, "requested": profile, "path": path,
+                               "profile": yaml.safe_load(p.to_yaml())}, indent=2))
+        return
+    name = f"{profile}: {p.canonical_name}" if store.names_engine(profile) else profile
+    if out.is_terminal:
+        render.show(p, out, name=name)
+        return
+    # Piped or redirected: as wide as the tables need (print(width=) only narrows), so that no name,
+    # site or runner-up is cut or folded.
+    from rich.measure import Measurement
+
+    group = render.show_group(p, name, wide=True)
+    natural = Measurement.get(out, out.options.update(max_width=10_000), group).maximum
+    Console(file=out.file, width=max(out.width, natural)).print(group)
+
+
+@app.command()
+def plot(
+    result: str = typer.Argument(..., help="a mismatch result: the JSON of `probe-engine mismatch ... --json FILE`"),
+    output: str = typer.Option(..., "--output", "-o", help="the PNG to write (a regular file or a new path)"),
+) -> None:
+    """Draw a saved mismatch result as a PNG: sampled tokens and the prefill re-scoring, exact-match
+    fraction and k3 KL per trainer row (needs matplotlib: the package's plot extra)."""
+    from . import runner, tables
+
+    try:
+        tables.check_plot_available("probe-engine plot")
+        runner.check_output_file(output, "-o")
+        rep = tables.load_mismatch(result)
+        tables.mismatch_plot(rep, output)
+    except EngineProfilesError as e:
+        _fail(e)
+    _say(err, f"wrote {output}")
 
 
 @app.command("list")
@@ -300,7 +345,8 @@ def mismatch(
     seed: int = typer.Option(0, help="seed of the model weights, prompts and sampling"),
     env: Optional[str] = typer.Option(None, help="engine environment (venv, python or version)"),
     json_out: Optional[str] = typer.Option(None, "--json", help="also write the numbers as JSON"),
-    plot: Optional[str] = typer.Option(None, help="also draw the table as a PNG (needs matplotlib)"),
+    plot: Optional[str] = typer.Option(None, help="also draw the result as a PNG, as `probe-engine plot` draws a "
+                                       "saved one (needs matplotlib: the plot extra)"),
     capture: Optional[str] = typer.Option(None, help="reuse a capture file instead of running the engine"),
     save_capture: Optional[str] = typer.Option(None, help="keep the engine's capture in this file (for --capture)"),
     mode: str = typer.Option("default", help="the engine's execution mode: default (vLLM on CPU: compiled) or eager"),

@@ -46,19 +46,76 @@ def mismatch_table(rep) -> Group:
     return Group(*parts)
 
 
-def check_plot_available() -> None:
-    """Raise (before any work) when --plot cannot draw: matplotlib is missing."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as e:
-        from engineprofiles.errors import EngineProfilesError
+def check_plot_available(option: str = "--plot") -> None:
+    """Raise (before any work) when a plot cannot be drawn: matplotlib (the ``plot`` extra) is missing."""
+    from engineprofiles.extras import require
 
-        raise EngineProfilesError(f"--plot needs matplotlib ({e}); pip install matplotlib, or leave out --plot") from None
+    require("plot", option)
+
+
+def load_mismatch(path: str):
+    """A mismatch result saved by ``probe-engine mismatch --json`` as a :class:`~engineloop.mismatch.Report`.
+    A file that is not one is an :class:`~engineprofiles.errors.ArgumentError` naming the file and the field."""
+    import json
+    from pathlib import Path
+
+    from engineprofiles.errors import ArgumentError
+    from engineprofiles.metrics import Mismatch
+
+    from .mismatch import Report
+
+    p = Path(path)
+    if not p.is_file():
+        raise ArgumentError(f"{path}: no such file (a mismatch result: probe-engine mismatch ... --json FILE)")
+    if p.stat().st_size > 64 * 1024 * 1024:
+        raise ArgumentError(f"{path}: {p.stat().st_size} bytes is too large for a mismatch result")
+    try:
+        data = json.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ArgumentError(f"{path}: not a mismatch result (not UTF-8 text)") from None
+    except json.JSONDecodeError as e:
+        raise ArgumentError(f"{path}: not a mismatch result (invalid JSON: {e})") from None
+    if not isinstance(data, dict):
+        raise ArgumentError(f"{path}: not a mismatch result (a JSON object written by probe-engine mismatch --json is "
+                            f"expected, got a {type(data).__name__})")
+    fields = list(Mismatch.__dataclass_fields__)
+
+    def rows(key: str) -> list:
+        out = []
+        items = data.get(key)
+        if not isinstance(items, list) or not items:
+            raise ArgumentError(f"{path}: field {key!r}: a non-empty list of rows is expected")
+        for i, r in enumerate(items):
+            where = f"{key}[{i}]"
+            if not isinstance(r, dict) or not isinstance(r.get("trainer"), str):
+                raise ArgumentError(f"{path}: field {where}: an object with a 'trainer' name is expected")
+            missing = [f for f in fields if f not in r]
+            if missing:
+                raise ArgumentError(f"{path}: field {where}: missing {', '.join(missing)}")
+            bad = [f for f in fields if isinstance(r[f], bool) or not isinstance(r[f], (int, float))]
+            if bad:
+                raise ArgumentError(f"{path}: field {where}.{bad[0]}: a number is expected, got {r[bad[0]]!r}")
+            out.append((r["trainer"], Mismatch(**{f: r[f] for f in fields})))
+        return out
+
+    engine = data.get("engine")
+    if not isinstance(engine, dict) or not all(isinstance(engine.get(k), str) for k in ("name", "version")):
+        raise ArgumentError(f"{path}: field 'engine': an object with the engine's name and version is expected")
+    return Report(engine=engine, family=str(data.get("family", "?")), profile_name=str(data.get("profile", "?")),
+                  trainer_profile_name=str(data.get("trainer_profile", "?")),
+                  warnings=[str(w) for w in data.get("warnings") or []], rows=rows("sampled"),
+                  prefill_rows=rows("prefill"), model=data.get("model") if isinstance(data.get("model"), dict) else {},
+                  prompt_len=data.get("prompt_len", 0), command=str(data.get("command", "")),
+                  engine_decode_equals_prefill=data.get("engine_decode_equals_prefill"))
 
 
 def mismatch_plot(rep, path: str) -> None:
-    """Draw the mismatch table as a PNG, written atomically to ``path`` (a regular file or a new path)."""
+    """Draw a mismatch report as a PNG, written atomically to ``path`` (a regular file or a new path):
+    one row of panels for the sampled tokens (the engine's decode log-probs) and one for every token
+    re-scored in one prefill; exact-match fraction (linear, 0-100%) and k3 KL (log scale; a bit-exact
+    row's 0 is written out, as a log axis cannot show it); each bar labelled with its value."""
     import io
+    import math
 
     from engineprofiles.files import write_atomic
 
@@ -67,16 +124,45 @@ def mismatch_plot(rep, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    names = [n for n, _ in rep.rows]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
-    axes[0].barh(names, [100 * m.exact_match for _, m in rep.rows])
-    axes[0].set_xlabel("exact-match fraction of sampled-token log-probs (%)")
-    axes[1].barh(names, [m.abs_dlogp_mean for _, m in rep.rows])
-    axes[1].set_xlabel("mean |logp_train - logp_engine|")
-    axes[1].set_yticklabels([])
-    axes[1].ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
+
+    panels = [("sampled tokens (engine decode)", rep.rows), ("re-scored in one prefill (engine prompt log-probs)",
+                                                             rep.prefill_rows)]
+    panels = [(t, r) for t, r in panels if r]
+    n = max(len(r) for _, r in panels)
+    # One k3 scale for both rows of panels (log: from a decade below the smallest positive value).
+    positive = [m.k3_kl for _, rows in panels for _, m in rows if m.k3_kl > 0]
+    floor = 10 ** math.floor(math.log10(min(positive)) - 1) if positive else 1e-12
+    top = 10 ** math.ceil(math.log10(max(positive)) + 1) if positive else 1e-9
+    fig, axes = plt.subplots(len(panels), 2, figsize=(13, 1.4 + 0.42 * n * len(panels)), squeeze=False)
+    for row, (title, rows) in enumerate(panels):
+        names = [name for name, _ in rows][::-1]
+        ms = [m for _, m in rows][::-1]
+        ax = axes[row][0]
+        vals = [100 * m.exact_match for m in ms]
+        ax.barh(names, vals, color="tab:green")
+        ax.set_xlim(0, 118)
+        ax.set_xticks([0, 25, 50, 75, 100])
+        for i, m in enumerate(ms):
+            ax.text(100 * m.exact_match + 1.5, i, pct(m.exact_match), va="center", fontsize=8)
+        ax.set_xlabel("exact match: tokens whose log-probs are bitwise equal (%)")
+        ax.set_title(f"{title}: {ms[0].tokens} tokens", fontsize=10, loc="left")
+        ax.tick_params(axis="y", labelsize=9)
+        ax = axes[row][1]
+        kl = [m.k3_kl for m in ms]
+        ax.set_xscale("log")
+        ax.set_xlim(floor, top)
+        ax.barh(names, [max(v - floor, 0.0) for v in kl], left=floor, color="tab:orange")
+        for i, m in enumerate(ms):
+            v = m.k3_kl
+            label = f"{v:.1e}" if v > 0 else ("0 (bit-exact)" if m.exact_match == 1.0 else "0")
+            ax.text(v * 1.3 if v > 0 else floor * 1.3, i, label, va="center", fontsize=8)
+        ax.set_xlabel("k3 KL(engine || trainer), mean per token (log scale)")
+        ax.set_yticklabels([])
     e = rep.engine
-    fig.suptitle(f"{e['name']} {e['version']} vs HF trainer ({rep.family})")
+    model = getattr(rep, "model", {}) or {}
+    size = ", ".join(f"{k.replace('num_', '').replace('_', ' ')} {v}" for k, v in model.items())
+    fig.suptitle(f"{e['name']} {e['version']} (mode {e.get('mode', 'default')}) vs HF trainer, family {rep.family}"
+                 + (f"\n{size}" if size else ""), fontsize=11)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, dpi=120, format="png")

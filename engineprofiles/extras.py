@@ -6,6 +6,7 @@ profiles; it is what goes into an engine's own environment. The trainer side nee
 - ``emulator``: Triton. Every module of the emulator imports it (also its CPU reference path).
 - ``insitu``: HF transformers and Triton: the tiny HF models, the transformers probe, the
   in-situ fit and ``probe-engine mismatch`` (HF models patched by the emulator).
+- ``plot``: matplotlib: ``probe-engine plot`` and ``probe-engine mismatch --plot``.
 
 Checked with ``importlib.util.find_spec``: nothing is imported here.
 """
@@ -22,6 +23,7 @@ DISTRIBUTION = "engineprofiles"
 EXTRAS: dict[str, tuple[str, ...]] = {
     "emulator": ("triton",),
     "insitu": ("transformers", "triton"),
+    "plot": ("matplotlib",),
 }
 
 

@@ -102,8 +102,13 @@ def notes(p: Profile) -> Text:
     return t
 
 
+def show_group(p: Profile, name: str | None = None, wide: bool = True) -> Group:
+    """What :func:`show` prints (``wide``: the sites table with its variants column layout for >= 120 columns)."""
+    return Group(profile_header(p, name), sites_table(p, wide=wide), evidence_table(p), notes(p))
+
+
 def show(p: Profile, console: Console, name: str | None = None) -> None:
-    console.print(Group(profile_header(p, name), sites_table(p, wide=console.width >= 120), evidence_table(p), notes(p)))
+    console.print(show_group(p, name, wide=console.width >= 120))
 
 
 def diff_table(d, summary: bool = True) -> Group:

@@ -942,8 +942,10 @@ def _cases() -> list[Case]:
     prof = _profile_obj
     add("apply-gpt2", AP, "a tiny GPT-2 (built from a config): a family apply_profile does not patch",
         _apply(_gpt2, prof), Raises(UnsupportedModel, "no decoder model of a supported family"))
-    add("apply-fp32-model", AP, "an FP32 model with a BF16 profile", _apply(_qwen2("float32"), prof),
-        Raises(ProfileMismatch, "torch.float32, but profile"))
+    add("apply-fp64-model", AP, "an FP64 model with a BF16 profile", _apply(_qwen2("float64"), prof),
+        Raises(ProfileMismatch, "torch.float64, but profile"))
+    add("apply-fp32-model", AP, "an FP32 model with a BF16 profile (mixed precision's master weights)",
+        _apply(_qwen2("float32"), prof), Succeeds("emulated: rope, swiglu, add_rmsnorm, rmsnorm; native: none"))
     add("apply-fp16-profile", AP, "a BF16 model with an FP16 profile",
         _apply(_qwen2(), lambda ctx: synthetic_profile().model_copy(update={"dtype": "float16"})),
         Raises(ProfileMismatch, "measured in float16"))

@@ -56,7 +56,14 @@ attention dropout, and Inductor with ``emulate_precision_casts`` turned off. Aft
 Layout: :mod:`.families` (what a family is), :mod:`.carry` (the residual stream between
 layers), :mod:`.forwards` (the bound forwards), :mod:`.opaque` (HF's code as opaque ops under
 torch.compile), :mod:`.guard` (what torch.compile needs, and its refusals), :mod:`.handle` (the
-way back), :mod:`.apply` (the checks and the patch).
+way back; a deepcopy of a patched model gets its own state and handle), :mod:`.apply` (the checks and
+the patch), :mod:`.entry` (class-level patching, ``patch_qwen2(profile)`` before ``from_pretrained``, and
+the profile recorded in the model's config).
+
+Mixed precision: the profile's dtype is the compute dtype. FP32 master weights (torch.autocast, FSDP2's
+MixedPrecisionPolicy) compute with the norm weights and the embedding rounded to it, bit for bit what
+the model stored in that dtype computes; a cast of the residual stream between layers (FSDP2's
+cast_forward_inputs) is recognized by value (:mod:`.carry`).
 """
 
 from ..errors import (
@@ -68,9 +75,19 @@ from ..errors import (
 )
 from .apply import apply_profile
 from .families import FAMILIES, NATIVE, Family
-from .handle import PatchHandle, patched_modules
+from .entry import ClassPatch, NoRecordedProfile, apply_recorded_profile, patch_family, recorded_profile
+from .handle import PatchHandle, handle_of, patched_modules
 
 __all__ = [
     "apply_profile", "PatchHandle", "FAMILIES", "NATIVE", "Family", "PatchError", "UnsupportedModel", "AlreadyPatched",
-    "CompileUnsupported", "ResidualStreamLost", "patched_modules",
+    "CompileUnsupported", "ResidualStreamLost", "patched_modules", "handle_of", "ClassPatch", "NoRecordedProfile",
+    "apply_recorded_profile", "patch_family", "recorded_profile",
 ]
+
+
+def __getattr__(name: str):
+    if name.startswith("patch_"):  # patch_qwen2, patch_qwen3, patch_llama, ...: one per family
+        from . import entry
+
+        return getattr(entry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,7 @@ import torch
 from engineprofiles.regions import FP32, REGIONS, Point
 from engineprofiles.rounding import ACT_DTYPES
 from engineprofiles.schema import Profile
-from engineprofiles.store import get_profile
+from engineprofiles.store import get_profile, names_engine
 
 from ..errors import (
     AlreadyPatched,
@@ -25,21 +25,30 @@ from . import opaque
 from .carry import Stash
 from .families import NATIVE, Decoder, check_decoder, families_text, find_decoders
 from .guard import checkpointing_hook, hold_eager_numerics, native_message, refusal_hook
-from .handle import ACTIVE, PATCHED_ATTR, PatchHandle
+from .handle import ACTIVE, PATCHED_ATTR, PatchHandle, PatchRecord
 
 
-def _check_dtype(d: Decoder, profile: Profile, act: torch.dtype) -> None:
-    """Every weight the model computes with must be in the profile's dtype (PEFT adapter weights,
-    which PEFT keeps in FP32 and casts its output back, are exempt)."""
+def _check_dtype(d: Decoder, profile: Profile, act: torch.dtype) -> bool:
+    """Every weight the model computes with must be stored in the profile's dtype, or in FP32 as the
+    master weights of mixed precision (torch.autocast, FSDP2's MixedPrecisionPolicy), which the
+    forward then computes with in the profile's dtype (PEFT adapter weights, which PEFT keeps in FP32
+    and casts its output back, are exempt). Returns whether some weight is stored in FP32."""
+    mixed = False
     for name, prm in d.module.named_parameters():
         if any(part.startswith("lora_") for part in name.split(".")):
             continue
-        if prm.is_floating_point() and prm.dtype != act:
-            raise ProfileMismatch(
-                f"{d.path}.{name} is {prm.dtype}, but profile {profile.canonical_name} was measured in {profile.dtype}: "
-                f"the model must run in the profile's dtype (load it with dtype=torch.{profile.dtype}), or use a "
-                f"profile probed in {prm.dtype}"
-            )
+        if not prm.is_floating_point() or prm.dtype == act:
+            continue
+        if prm.dtype == torch.float32:
+            mixed = True
+            continue
+        raise ProfileMismatch(
+            f"{d.path}.{name} is {prm.dtype}, but profile {profile.canonical_name} was measured in {profile.dtype}: "
+            f"the model must compute in the profile's dtype (load it with dtype=torch.{profile.dtype}, or keep FP32 "
+            f"master weights and run under torch.autocast(dtype=torch.{profile.dtype}) or FSDP2's "
+            f"MixedPrecisionPolicy(param_dtype=torch.{profile.dtype})), or use a profile probed in {prm.dtype}"
+        )
+    return mixed
 
 
 def _check_patchable(model: torch.nn.Module, decoders: list[Decoder]) -> None:
@@ -52,14 +61,21 @@ def _check_patchable(model: torch.nn.Module, decoders: list[Decoder]) -> None:
         if handle is not None:
             raise AlreadyPatched(
                 f"{d.path} is already patched with profile {handle.profile.canonical_name}; applying twice is an "
-                "error: call remove() on the first handle, then apply the new profile"
+                "error: call remove() on the first handle (emulator.handle_of(model) returns it, also for a deepcopy of a patched "
+                "model, which is patched), then apply the new profile"
             )
         for path, mod in d.module.named_modules():
             if "forward" in mod.__dict__:
                 where = f"{d.path}.{path}" if path else d.path
+                fwd = mod.__dict__["forward"]
+                origin = getattr(getattr(fwd, "__func__", fwd), "__module__", None) or ""
+                by = (f"by Liger-Kernel ({origin}: apply_liger_kernel_to_*(model=...) patches instances): Liger and "
+                      "the profile both replace the regions, so one would silently override the other; apply the "
+                      "profile to a model without Liger's rope/rms_norm/swiglu" if origin.startswith("liger_kernel")
+                      else "(accelerate hooks or another patch)")
                 raise UnsupportedModel(
-                    f"{where} ({type(mod).__name__}) already has a per-instance forward (accelerate hooks or another "
-                    "patch); apply_profile binds its own forwards and would discard it"
+                    f"{where} ({type(mod).__name__}) already has a per-instance forward {by}; apply_profile binds its "
+                    "own forwards and would discard it"
                 )
 
 
@@ -111,18 +127,41 @@ def _check_exact(model: torch.nn.Module, decoders: list[Decoder], profile: Profi
                 f"profile {profile.canonical_name} was probed on a CPU with capability {probed_cap}, this one is {here}: "
                 "the engine's kernels dispatch by vector ISA, so exact mode may not be bit-exact here; re-probe the "
                 "engine on this machine", CapabilityMismatch, stacklevel=3)
-    elif dev.type != profile.engine.backend and not (dev.type == "cuda" and profile.engine.backend == "cuda"):
-        warnings.warn(f"profile {profile.canonical_name} was probed on {profile.engine.backend}, the model is on "
-                      f"{dev.type}: exact mode reproduces the profile's engine, which ran elsewhere",
-                      CapabilityMismatch, stacklevel=3)
     return profile.point("attention")
+
+
+def _check_device(model: torch.nn.Module, profile: Profile) -> None:
+    """A profile probed on another device than the model's: a warning (its sites are semantics that
+    hold on any device, but the engine on the model's device may round elsewhere)."""
+    import warnings
+
+    from engineprofiles.store import _device_type
+
+    dev = _model_device(model)
+    if dev is None:
+        return
+    here = _device_type(dev)
+    if here != profile.engine.backend:
+        warnings.warn(
+            f"profile {profile.canonical_name} was probed on {profile.engine.backend}, the model is on {here}: the patch "
+            f"reproduces that engine's rounding on {profile.engine.backend}, and the engine on {here} may round "
+            f"elsewhere. Probe the engine on {here} (probe-engine ENGINE --device {here}) and apply that profile, or "
+            "choose by engine name (apply_profile(model, 'vllm')); warnings.simplefilter('error', CapabilityMismatch) "
+            "makes this an error", CapabilityMismatch, stacklevel=3)
 
 
 def _model_dtype(model: torch.nn.Module) -> str | None:
     """The dtype the model computes in (its first floating-point weight that is not a PEFT
-    adapter's), as a profile names it; None for a model without one."""
+    adapter's), as a profile names it; None for a model without one. FP32 weights are mixed
+    precision's master weights: the compute dtype is autocast's when it is active here, else None
+    (unknown: choosing by engine name prefers bfloat16)."""
     for name, prm in model.named_parameters():
         if prm.is_floating_point() and not any(part.startswith("lora_") for part in name.split(".")):
+            if prm.dtype == torch.float32:
+                dev = prm.device.type
+                if dev != "meta" and torch.is_autocast_enabled(dev):
+                    return str(torch.get_autocast_dtype(dev)).removeprefix("torch.")
+                return None
             return str(prm.dtype).removeprefix("torch.")
     return None
 
@@ -135,7 +174,7 @@ def _model_device(model: torch.nn.Module) -> torch.device | None:
 
 
 def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native: bool = True,
-                  exact: bool = False) -> PatchHandle:
+                  exact: bool = False, record: bool = False) -> PatchHandle:
     """Patch ``model`` (a HF transformers Qwen2/Qwen2.5, Qwen3 or Llama model, possibly wrapped by
     PEFT or FSDP2) in place so that RoPE, SwiGLU and the residual RMSNorm round where ``profile``
     says. ``profile``: a Profile, a path, a shipped name, or an engine: ``"vllm"``,
@@ -151,8 +190,26 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     computes (:data:`NATIVE`) keep HF's module and its autograd backward; ``False`` runs the
     emulator there too (the same forward bits, the straight-through FP32 backward).
 
+    Mixed precision: the profile's dtype is the compute dtype. FP32 master weights are accepted
+    (``torch.autocast(dtype=torch.bfloat16)`` over FP32 weights, FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``, with or without ``cast_forward_inputs``):
+    the regions then compute with the weights rounded to the profile's dtype and the embedding
+    rounded as the engine stores it, bit for bit what the model stored in that dtype computes, and
+    every region is emulated (``skip_native`` does not apply: HF's own modules do not round as the
+    profile's point with FP32 weights). A forward that would compute in FP32 (FP32 weights, no
+    autocast to the profile's dtype) raises :class:`~emulator.errors.ProfileMismatch`.
+
+    ``record=True`` writes the profile (its YAML) and these options into ``model.config.emulator_profile``,
+    which ``save_pretrained`` saves; :func:`emulator.apply_recorded_profile` (or a class patch without a
+    profile, :func:`emulator.patch_family`) applies it to the loaded model. ``remove()`` takes it out.
+
+    A profile probed on another device than the model's (a CPU profile on a CUDA model) is a
+    :class:`~engineprofiles.errors.CapabilityMismatch` warning (the sites are device-independent
+    semantics; the engine on the model's device may round elsewhere): re-probe there, or turn the
+    warning into an error with ``warnings.simplefilter("error", CapabilityMismatch)``.
+
     Refused, with nothing changed: a model of no supported family (or whose modules were
-    replaced), a model on the meta device (no weights yet), a RoPE type other than default, a profile whose dtype is not the model's or that
+    replaced), a model on the meta device (no weights yet), a RoPE type other than default, a profile whose dtype is not the model's (nor FP32 master weights') or that
     records a region as unavailable, a model already patched (:class:`AlreadyPatched`: applying
     twice is an error).
 
@@ -175,6 +232,8 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
         hint = " (a lattice Point is one region's rounding: emulator.functional takes it)" if isinstance(profile, Point) else ""
         raise ProfileMismatch(f"apply_profile needs a Profile, a path or a shipped name; got {type(profile).__name__}{hint}")
     prof = get_profile(profile, dtype=_model_dtype(model), device=_model_device(model))
+    if not (isinstance(profile, str) and names_engine(profile)):  # (choosing by engine name warns itself)
+        _check_device(model, prof)
     act = ACT_DTYPES[prof.dtype]
     decoders = find_decoders(model)
     if not decoders:
@@ -185,23 +244,27 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     if len(families) > 1:
         raise UnsupportedModel(f"{type(model).__name__} mixes decoder families ({', '.join(sorted(families))})")
     points = _regions(prof)
+    mixed = False
     for d in decoders:
         check_decoder(d)
-        _check_dtype(d, prof, act)
+        mixed = _check_dtype(d, prof, act) or mixed
     _check_patchable(model, decoders)
     exact_point = _check_exact(model, decoders, prof) if exact else None
 
     fam = decoders[0].family
-    emulate = {r: (not skip_native) or points[r] != REGIONS[r].canonicalize(NATIVE[r]) for r in REGIONS}
+    # FP32 master weights (mixed precision): HF's own modules do not round as with weights stored in the
+    # activation dtype (e.g. its norm multiplies by the FP32 weight), so every region is emulated.
+    emulate = {r: mixed or (not skip_native) or points[r] != REGIONS[r].canonicalize(NATIVE[r]) for r in REGIONS}
     # Qwen3's q/k norms handing FP32 on need the emulator's RoPE, which takes FP32 input.
     qk_fp32 = fam.qk_norm and emulate["rmsnorm"] and points["rmsnorm"]["output"] == FP32
-    attention = emulate["rope"] or qk_fp32 or not all(d.inv_freq_exact for d in decoders) or exact
+    attention = emulate["rope"] or qk_fp32 or not all(d.inv_freq_exact for d in decoders) or exact or mixed
     handle = PatchHandle(
         model, prof, fam,
         emulated=tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention)) + (("attention",) if exact else ()),
         native=tuple(r for r in REGIONS if not (emulate[r] or (r == "rope" and attention))),
     )
     handle.exact = exact
+    handle.skip_native = skip_native
     # Exact mode for an engine that compiled its regions with Inductor: the norms' FP32 reduction
     # in Inductor's order (the other regions have none). On CPU, where that engine ran.
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
@@ -218,12 +281,23 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
             if handle.native:  # torch.compile is refused (guard.py), wherever it starts; eagerly nothing more is needed
                 refuse = refusal_hook(native_message(handle.native, prof.canonical_name))
                 for mod in _region_modules(d):
-                    handle._hook(mod.register_forward_pre_hook(refuse))
+                    handle._hook(mod.register_forward_pre_hook(refuse), refuse)
+                losses = []
             else:
-                _patch_loss(handle, model, d)
-                handle._hook(d.module.register_forward_pre_hook(checkpointing_hook(d.path, d.layers)))
+                losses = _patch_loss(handle, model, d)
+                hook = checkpointing_hook(d.path)
+                handle._hook(d.module.register_forward_pre_hook(hook), hook)
+            handle._set(d.module, "_emulator_patch", PatchRecord(handle, d.module, model, losses))
+            inside = {id(m) for m in d.module.modules()}
+            handle._set(d.module, "_emulator_bound", [b for b in handle._bound if id(b[1]) in inside])
+            handle._hook(d.module.register_forward_pre_hook(_check_bound), _check_bound)
         if not handle.native:
             handle._undo.append(hold_eager_numerics())
+            handle._holds_numerics = True
+        if record:
+            from .entry import record as record_in_config
+
+            record_in_config(handle)
     except BaseException:  # pragma: no cover - a bug; leave the model as it was
         handle.remove()
         raise
@@ -241,13 +315,15 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], ac
         if opaque.plain_embedding(emb):
             handle._bind(f"{p}.embed_tokens", emb, fw.embedding())
         else:
-            handle._hook(d.module.register_forward_pre_hook(refusal_hook(
+            refuse = refusal_hook(
                 f"{p}.embed_tokens is a {type(emb).__name__}, not a plain torch.nn.Embedding; compiled, its gradient "
                 "would be Inductor's scatter-add, not eager's, so a patched model with it cannot be compiled: run "
-                "it eagerly")))
+                "it eagerly")
+            handle._hook(d.module.register_forward_pre_hook(refuse), refuse)
     if emulate["swiglu"]:
         for i, layer in enumerate(layers):
-            handle._bind(f"{p}.layers.{i}.mlp", layer.mlp, fw.mlp(points["swiglu"], act))
+            handle._bind(f"{p}.layers.{i}.mlp", layer.mlp,
+                         fw.mlp(points["swiglu"], act, f"{p}.layers.{i}.mlp", handle.profile.canonical_name))
     if emulate["rmsnorm"]:
         handle._bind(f"{p}.layers.0.input_layernorm", layers[0].input_layernorm,
                      fw.norm_plain(points["rmsnorm"], act, to_act=True, backend=norm_backend))
@@ -262,23 +338,66 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], ac
         for i, layer in enumerate(layers):
             handle._bind(f"{p}.layers.{i}.self_attn", layer.self_attn,
                          fw.attention(points["rope"], act, d.family.qk_norm, c["eager_attention"], d.family.name,
-                                      f"{p}.layers.{i}.self_attn", exact_point))
+                                      f"{p}.layers.{i}.self_attn", exact_point, rope=(d.rope_theta, d.rotary_dim),
+                                      profile_name=handle.profile.canonical_name))
     if emulate["add_rmsnorm"]:
+        # The residual stream's state lives on the modules (a deepcopy of the model gets its own).
         stash = Stash()
         handle._stashes.append(stash)
+        handle._set(d.module, "_emulator_stash", stash)
+        handle._set(d.module.norm, "_emulator_stash", stash)
         for i, layer in enumerate(layers):
-            handle._bind(f"{p}.layers.{i}", layer,
-                         fw.layer(points["add_rmsnorm"], act, stash, layers[0], f"{p}.layers.{i}", norm_backend))
-        handle._bind(f"{p}.norm", d.module.norm, fw.final_norm(points["add_rmsnorm"], act, stash, f"{p}.norm", norm_backend))
+            handle._set(layer, "_emulator_stash", stash)
+            handle._set(layer, "_emulator_first", i == 0)
+            handle._bind(f"{p}.layers.{i}", layer, fw.layer(points["add_rmsnorm"], act, f"{p}.layers.{i}", norm_backend,
+                                                      handle.profile.canonical_name))
+        handle._bind(f"{p}.norm", d.module.norm, fw.final_norm(points["add_rmsnorm"], act, f"{p}.norm", norm_backend))
         # Drop entries whose hidden state is gone, before and after each forward of the model.
-        handle._hook(d.module.register_forward_pre_hook(lambda mod, args: stash.purge()))
-        handle._hook(d.module.register_forward_hook(lambda mod, args, out: stash.purge()))
+        pre, post = _purge_pre, _purge_post
+        handle._hook(d.module.register_forward_pre_hook(pre), pre)
+        handle._hook(d.module.register_forward_hook(post), post)
 
 
-def _patch_loss(handle: PatchHandle, model: torch.nn.Module, d: Decoder) -> None:
+def _check_bound(mod: torch.nn.Module, args: object) -> None:
+    """Before each forward of a patched decoder: the forwards the patch bound are still there. A
+    kernel library patching instances afterwards (Liger's ``apply_liger_kernel_to_*(model=...)``)
+    replaces them, and the region would silently run its code instead of the profile's."""
+    for path, m, fn in mod._emulator_bound:
+        fwd = m.__dict__.get("forward")
+        if getattr(fwd, "__func__", None) is not fn:
+            _replaced(path, getattr(getattr(fwd, "__func__", fwd), "__module__", None) or "the class's own forward")
+
+
+def _replaced(path: str, origin: str) -> None:
+    # Raised outside traced code (disabled below), so that torch.compile reports this error, not Dynamo's own.
+    raise UnsupportedModel(
+        f"{path}: its forward was replaced after apply_profile patched it (now {origin}), so the profile's region "
+        "no longer runs there. Do not apply other kernel patches (e.g. Liger-Kernel's rope, rms_norm or swiglu) to "
+        "a patched model: remove the patch first (handle.remove()) and choose one of the two"
+    )
+
+
+try:
+    _replaced = torch.compiler.disable(_replaced, reason="UnsupportedModel: a forward bound by apply_profile was "
+                                       "replaced (e.g. by Liger-Kernel's instance patch); run eagerly to see which")
+except TypeError:  # pragma: no cover - a torch whose disable takes no reason (before 2.8)
+    _replaced = torch.compiler.disable(_replaced)
+
+
+def _purge_pre(mod: torch.nn.Module, args: object) -> None:
+    mod._emulator_stash.purge()
+
+
+def _purge_post(mod: torch.nn.Module, args: object, out: object) -> None:
+    mod._emulator_stash.purge()
+
+
+def _patch_loss(handle: PatchHandle, model: torch.nn.Module, d: Decoder) -> list[tuple[str, bool, object]]:
     """The causal LM around ``d`` computes its own loss (HF's ForCausalLMLoss) as eager torch does,
-    also when compiled (see :mod:`.opaque`); a model with another loss function keeps it."""
-    for _, mod in model.named_modules():
+    also when compiled (see :mod:`.opaque`); a model with another loss function keeps it. Returns
+    (path, had, before) of each module it changed (for a deepcopy's handle)."""
+    changed = []
+    for path, mod in model.named_modules():
         if getattr(mod, "model", None) is not d.module:
             continue
         if not isinstance(getattr(type(mod), "loss_function", None), property):
@@ -287,7 +406,10 @@ def _patch_loss(handle: PatchHandle, model: torch.nn.Module, d: Decoder) -> None
             continue
         had = "_loss_function" in mod.__dict__
         before = mod.__dict__.get("_loss_function")
-        mod._loss_function = opaque.loss_function()
+        fn = opaque.loss_function()
+        setattr(fn, PATCHED_ATTR, handle)
+        mod._loss_function = fn
+        changed.append((path, had, before))
 
         def undo(mod: torch.nn.Module = mod, had: bool = had, before: object = before) -> None:
             if had:
@@ -296,6 +418,7 @@ def _patch_loss(handle: PatchHandle, model: torch.nn.Module, d: Decoder) -> None
                 mod.__dict__.pop("_loss_function", None)
 
         handle._undo.append(undo)
+    return changed
 
 
 def _region_modules(d: Decoder) -> list[torch.nn.Module]:

@@ -58,8 +58,23 @@ class Family:
         return dict(
             model=getattr(m, f"{p}Model"), layer=getattr(m, f"{p}DecoderLayer"), attention=getattr(m, f"{p}Attention"),
             mlp=getattr(m, f"{p}MLP"), norm=getattr(m, f"{p}RMSNorm"), rotary=getattr(m, f"{p}RotaryEmbedding"),
-            eager_attention=m.eager_attention_forward,
+            eager_attention=m.eager_attention_forward, replaced=self.replaced(m),
         )
+
+    def replaced(self, m: Any) -> list[tuple[str, str]]:
+        """(name, replacement's module) of each region class or function of the family's modeling module
+        that another library replaced at module level, e.g. Liger-Kernel's ``apply_liger_kernel_to_qwen2()``
+        (``Qwen2RMSNorm = LigerRMSNorm``, ``Qwen2MLP = LigerSwiGLUMLP``, ``apply_rotary_pos_emb = ...``)."""
+        p = self.prefix
+        names = (f"{p}RMSNorm", f"{p}MLP", "apply_rotary_pos_emb", f"{p}DecoderLayer", f"{p}Attention",
+                 f"{p}RotaryEmbedding", f"{p}Model", "eager_attention_forward")
+        out = []
+        for n in names:
+            obj = getattr(m, n, None)
+            where = getattr(obj, "__module__", None)
+            if obj is not None and where != m.__name__ and not (where or "").startswith("transformers."):
+                out.append((n, f"{where}.{getattr(obj, '__qualname__', n)}"))
+        return out
 
 
 FAMILIES: dict[str, Family] = {
@@ -109,8 +124,22 @@ def _check_module(path: str, mod: Any, cls: Any, what: str) -> None:
         )
 
 
+def replaced_message(fam: Family, replaced: list[tuple[str, str]]) -> str:
+    what = ", ".join(f"{n} (now {w})" for n, w in replaced)
+    liger = any(w.startswith("liger_kernel") for _, w in replaced)
+    who = "Liger-Kernel's class-level patch (apply_liger_kernel_to_*)" if liger else "another library"
+    return (
+        f"{fam.module} was patched at module level by {who}: {what}. The profile emulates these regions itself, "
+        "so both cannot hold: apply_profile refuses rather than let one silently override the other. Build the model "
+        "without that patch (for Liger: apply_liger_kernel_to_<family>(rope=False, rms_norm=False, swiglu=False) keeps "
+        "its fused linear cross entropy, which does not touch the regions), or do not apply the profile"
+    )
+
+
 def check_decoder(d: Decoder) -> None:
     c, m, p = d.classes, d.module, d.path
+    if c.get("replaced"):
+        raise UnsupportedModel(f"{p}: " + replaced_message(d.family, c["replaced"]))
     meta = next((n for n, t in (*m.named_parameters(), *m.named_buffers()) if t.is_meta), None)
     if meta is not None:
         raise UnsupportedModel(

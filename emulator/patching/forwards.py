@@ -14,10 +14,10 @@ import torch
 from engineprofiles.regions import Point, rope_cos_sin
 
 from .. import functional as F
-from ..errors import ResidualStreamLost
+from ..errors import ProfileMismatch, ResidualStreamLost
 from . import opaque
-from .carry import Carry, Stash
-from .guard import checkpointing_message, refusal
+from .carry import carry
+from .guard import checkpointing_message, refusal, refusal_as
 
 
 def norm_plain(point: Point, act: torch.dtype, *, to_act: bool, backend: str | None = None):
@@ -25,15 +25,21 @@ def norm_plain(point: Point, act: torch.dtype, *, to_act: bool, backend: str | N
     matmul, so an FP32 ``output`` site is rounded there (RNE, as the matmul's input)."""
 
     def forward(self, hidden_states):
-        y = F.rmsnorm(hidden_states, self.weight, self.variance_epsilon, point, dtype=act, backend=backend)
+        # .to(act): FP32 master weights (mixed precision) compute with their rounded copy, as the
+        # engine's BF16 weights; a no-op on weights stored in the activation dtype.
+        y = F.rmsnorm(hidden_states, self.weight.to(act), self.variance_epsilon, point, dtype=act, backend=backend)
         return y.to(act) if to_act and y.dtype != act else y
 
     return forward
 
 
-def mlp(point: Point, act: torch.dtype):
+def mlp(point: Point, act: torch.dtype, path: str = "mlp", profile_name: str = ""):
+    wrong_dtype = wrong_compute_dtype(path, act, profile_name)
+
     def forward(self, x):
         gate, up = opaque.linear(self.gate_proj, x), opaque.linear(self.up_proj, x)
+        if gate.dtype == torch.float32:  # the matmul ran in FP32 (mixed precision without autocast)
+            wrong_dtype()
         return opaque.linear(self.down_proj, F.swiglu(gate, up, point, dtype=act))
 
     return forward
@@ -64,9 +70,10 @@ def embedding():
 
 
 def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Callable[..., Any], family: str,
-              path: str, exact: Any = None):
+              path: str, exact: Any = None, rope: tuple[float, int] | None = None, profile_name: str = ""):
     """The attention module's forward: RoPE at the profile's point; then HF's attention function, or
-    in exact mode (``exact``: the profile's attention point) the engine's attention."""
+    in exact mode (``exact``: the profile's attention point) the engine's attention. ``rope``: (theta,
+    rotary_dim) of the patched rotary embedding, to recompute FP32 cos/sin that were cast on the way."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     refuse_implementation = refusal(
@@ -79,10 +86,20 @@ def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Ca
         "backward, so it cannot reproduce eager's bits; set config.attention_dropout = 0.0 (engines have none), "
         "or run the patched model eagerly")
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+    wrong_dtype = wrong_compute_dtype(path, act, profile_name)
+    cast_away = refusal_as(ProfileMismatch, (
+        f"{path}: the rotary embedding's FP32 cos/sin reached the attention cast to another dtype (e.g. by FSDP2's "
+        "cast_forward_inputs) and no position_ids came with them to recompute them; pass position_ids, or shard "
+        "with MixedPrecisionPolicy(cast_forward_inputs=False)"))
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                position_ids=None, **kwargs):
+        kwargs["position_ids"] = position_ids  # for the attention function, as HF passes it
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         q = opaque.linear(self.q_proj, hidden_states).view(hidden_shape)
+        if q.dtype == torch.float32:  # the matmul ran in FP32 (mixed precision without autocast)
+            wrong_dtype()
         k = opaque.linear(self.k_proj, hidden_states).view(hidden_shape)
         v = opaque.linear(self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
         if qk_norm:
@@ -90,6 +107,14 @@ def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Ca
         cos, sin = position_embeddings
         half = cos.shape[-1] // 2
         cos, sin = cos[..., :half], sin[..., :half]
+        if cos.dtype != torch.float32 and rope is not None:
+            # The patched rotary embedding hands FP32 cos/sin to the layers; something between
+            # (FSDP2's cast_forward_inputs) cast them. Recompute them from the positions, as it did.
+            if position_ids is None:
+                cast_away()
+            cos, sin = (opaque.rope_cos_sin_op if torch.compiler.is_compiling() else rope_cos_sin)(
+                position_ids, rope[1], rope[0])
+            cos, sin = cos.to(hidden_states.device), sin.to(hidden_states.device)
         q = F.rope(q, cos, sin, point, style="neox", dtype=act).transpose(1, 2)
         k = F.rope(k, cos, sin, point, style="neox", dtype=act).transpose(1, 2)
         if past_key_values is not None:
@@ -122,39 +147,83 @@ def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Ca
     return forward
 
 
-def layer(point: Point, act: torch.dtype, stash: Stash, first: torch.nn.Module, path: str,
-          backend: str | None = None):
+STREAM_LOST = (
+    "{path}: this decoder layer's input was not produced by the patched layer before it, so the engine's fused "
+    "residual add cannot be reproduced. Something between the layers replaced the hidden state with other values "
+    "(a hook returning a new tensor, a layer called on its own); run the layers in order through the model's "
+    "forward and do not change the hidden states between them (a cast of the stream, e.g. FSDP2's "
+    "cast_forward_inputs, is recognized)"
+)
+FINAL_LOST = (
+    "{path}: the final norm's input was not produced by the last patched decoder layer, so the engine's fused "
+    "residual add cannot be reproduced; call it through the model's forward"
+)
+
+
+def computes_in(act: torch.dtype, weight: Any) -> bool:
+    """Whether a module with this weight computes in ``act``: weights stored in it, or FP32 master
+    weights under ``torch.autocast(dtype=act)`` (FSDP2's MixedPrecisionPolicy hands the forward
+    weights already cast to its param_dtype). What is not a floating-point tensor (quantized storage,
+    which the module dequantizes to its own compute dtype; a module without the weight) is not judged."""
+    if not isinstance(weight, torch.Tensor) or weight.dtype == act or not weight.is_floating_point():
+        return True
+    dev = weight.device.type
+    return torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == act
+
+
+def _matmul_weight(layer: torch.nn.Module) -> Any:
+    """A weight of the layer's first matmul (q_proj), None when the layer has none."""
+    return getattr(getattr(getattr(layer, "self_attn", None), "q_proj", None), "weight", None)
+
+
+def wrong_compute_dtype(path: str, act: torch.dtype, profile_name: str):
+    """The refusal of a patched module whose matmuls computed in another dtype than the profile's (FP32
+    master weights without autocast or FSDP2's param_dtype): raised outside traced code."""
+    a = str(act).removeprefix("torch.")
+    return refusal_as(ProfileMismatch, (
+        f"{path}: the model computes in float32 (its weights are float32 and no torch.autocast(dtype=torch.{a}) is "
+        f"active here), but profile {profile_name} rounds to {a}: the profile's dtype is the compute dtype. Run the "
+        f"forward under torch.autocast(device_type=..., dtype=torch.{a}), shard the model with FSDP2 "
+        f"fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.{a})), or load it in {a}"))
+
+
+def layer(point: Point, act: torch.dtype, path: str, backend: str | None = None, profile_name: str = ""):
     """The decoder layer with the engine's residual path; ``point``: the add_rmsnorm point;
     ``backend``: the norms' emulator backend (exact mode: ``reference-inductor`` for an engine that
-    compiles)."""
+    compiles). The per-model state lives on the module, not in this closure (so that a deepcopy of
+    the model has its own): ``self._emulator_stash`` (the decoder's :class:`Stash`) and
+    ``self._emulator_first`` (the first layer normalizes its input without an add)."""
     refuse_checkpointing = refusal(checkpointing_message(path))
+    lost = refusal_as(ResidualStreamLost, STREAM_LOST.format(path=path))
+    wrong_dtype = wrong_compute_dtype(path, act, profile_name)
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
         if torch.compiler.is_compiling() and getattr(self, "gradient_checkpointing", False) and self.training:
             refuse_checkpointing()  # a layer compiled alone (the whole model refuses before, guard.py)
-        if self is first:
+        if not computes_in(act, _matmul_weight(self)):
+            wrong_dtype()
+        stash = self._emulator_stash
+        if self._emulator_first:
+            # The embedding of FP32 master weights (mixed precision: autocast does not cast an
+            # embedding) is rounded to the activation dtype, as the engine stores it; a no-op else.
+            hidden_states = hidden_states.to(act)
             residual = hidden_states
             x = self.input_layernorm(hidden_states)  # plain RMSNorm: no add before the first layer
         else:
             carried = stash.get(hidden_states)
             if carried is None:
-                raise ResidualStreamLost(
-                    f"{path}: this decoder layer's input was not produced by the patched layer before it, so the "
-                    "engine's fused residual add cannot be reproduced. Something between the layers replaced the "
-                    "hidden state (for example FSDP2's MixedPrecisionPolicy with cast_forward_inputs=True casting an "
-                    "FP32 residual stream, or a hook returning a new tensor); run the layers in order through the "
-                    "model's forward and do not cast or copy the hidden states between them"
-                )
-            m, r = Carry.apply(hidden_states, carried)
+                lost()
+            m, r = carry(hidden_states, carried)
             ln = self.input_layernorm
-            x, residual = F.add_rmsnorm(m, r, ln.weight, ln.variance_epsilon, point, dtype=act, backend=backend)
+            x, residual = F.add_rmsnorm(m, r, ln.weight.to(act), ln.variance_epsilon, point, dtype=act, backend=backend)
         a, _ = self.self_attn(
             hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
         )
         ln = self.post_attention_layernorm
-        x2, residual = F.add_rmsnorm(a, residual, ln.weight, ln.variance_epsilon, point, dtype=act, backend=backend)
+        x2, residual = F.add_rmsnorm(a, residual, ln.weight.to(act), ln.variance_epsilon, point, dtype=act,
+                                     backend=backend)
         m = self.mlp(x2)
         h = m.to(residual.dtype) + residual
         stash.put(h, m, residual)
@@ -163,17 +232,17 @@ def layer(point: Point, act: torch.dtype, stash: Stash, first: torch.nn.Module, 
     return forward
 
 
-def final_norm(point: Point, act: torch.dtype, stash: Stash, path: str, backend: str | None = None):
+def final_norm(point: Point, act: torch.dtype, path: str, backend: str | None = None):
+    lost = refusal_as(ResidualStreamLost, FINAL_LOST.format(path=path))
+
     def forward(self, hidden_states):
+        stash = self._emulator_stash
         carried = stash.get(hidden_states)
         if carried is None:
-            raise ResidualStreamLost(
-                f"{path}: the final norm's input was not produced by the last patched decoder layer, so the "
-                "engine's fused residual add cannot be reproduced; call it through the model's forward"
-            )
+            lost()
         stash.last = None  # the end of the stream
-        m, r = Carry.apply(hidden_states, carried)
-        out, _ = F.add_rmsnorm(m, r, self.weight, self.variance_epsilon, point, dtype=act, backend=backend)
+        m, r = carry(hidden_states, carried)
+        out, _ = F.add_rmsnorm(m, r, self.weight.to(act), self.variance_epsilon, point, dtype=act, backend=backend)
         return out
 
     return forward

@@ -47,16 +47,24 @@ from ..errors import CompileUnsupported
 def refusal(message: str):
     """A function that, called where torch.compile traces, raises :class:`CompileUnsupported`
     (``message``) to the caller. Traced code cannot raise to the caller (Dynamo would run the
-    frame eagerly instead), so the raise runs outside the compiled graph, from a function
-    torch.compile does not trace; under ``fullgraph=True`` the message is the graph break's reason."""
+    frame eagerly instead, or report its own generic "Observed exception"), so the raise runs
+    outside the compiled graph, from a function torch.compile does not trace; under
+    ``fullgraph=True`` the message is the graph break's reason."""
+    return refusal_as(CompileUnsupported, message)
 
-    def refuse_to_compile() -> None:
-        raise CompileUnsupported(message)
+
+def refusal_as(error: type[Exception], message: str):
+    """:func:`refusal` raising ``error(message)``: an error of the patch that may be raised where
+    torch.compile traces (e.g. :class:`~emulator.errors.ResidualStreamLost`) reaches the caller as
+    itself, eagerly and compiled."""
+
+    def refuse() -> None:
+        raise error(message)
 
     try:
-        return torch.compiler.disable(refuse_to_compile, reason=f"CompileUnsupported: {message}")
+        return torch.compiler.disable(refuse, reason=f"{error.__name__}: {message}")
     except TypeError:  # pragma: no cover - a torch whose disable takes no reason (before 2.8)
-        return torch.compiler.disable(refuse_to_compile)
+        return torch.compiler.disable(refuse)
 
 
 def refusal_hook(message: str):
@@ -79,14 +87,15 @@ def checkpointing_message(path: str) -> str:
     )
 
 
-def checkpointing_hook(path: str, layers: list[torch.nn.Module]):
+def checkpointing_hook(path: str):
     """A forward pre-hook for the decoder: refuses to be compiled while its layers checkpoint (a
-    layer compiled alone refuses in its forward, :func:`.forwards.layer`)."""
+    layer compiled alone refuses in its forward, :func:`.forwards.layer`). It reads the layers of
+    the module it runs on (a deepcopy of the model has its own)."""
     refuse = refusal(checkpointing_message(path))
 
     def hook(module: torch.nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling() and any(getattr(m, "gradient_checkpointing", False) and m.training
-                                                 for m in layers):
+                                                 for m in module.layers):
             refuse()
 
     return hook

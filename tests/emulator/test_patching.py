@@ -396,9 +396,16 @@ def test_apply_profile_of_an_engine_name_takes_the_models_dtype(tmp_path, monkey
     model = tiny_model("llama", seed=1, dtype="float16")
     with emulator.apply_profile(model, "vllm") as h:
         assert h.profile.dtype == "float16"
+    # FP32 weights are mixed precision's master weights: the compute dtype is autocast's, else unknown
+    # (bfloat16 preferred).
     model = tiny_model("llama", seed=1, dtype="float32")
+    with emulator.apply_profile(model, "vllm") as h:
+        assert h.profile.dtype == "bfloat16"
+    with torch.autocast("cpu", dtype=torch.float16), emulator.apply_profile(model, "vllm") as h:
+        assert h.profile.dtype == "float16"
+    model = tiny_model("llama", seed=1, dtype="float64")
     state = model_state(model)
-    with pytest.raises(NoMatchingProfile, match="float32 .the model's dtype.*bfloat16, float16"):
+    with pytest.raises(NoMatchingProfile, match="float64 .the model's dtype.*bfloat16, float16"):
         emulator.apply_profile(model, "vllm")
     with pytest.raises(UnknownEngine, match="'vlm'"):
         emulator.apply_profile(model, "vlm")
@@ -453,11 +460,13 @@ def test_a_binary_profile_file_is_a_profile_error_and_the_model_untouched(tmp_pa
 
 
 def test_a_profile_of_another_dtype_is_refused():
-    model = tiny_model("llama", seed=1, dtype="float32")
-    state = model_state(model)
-    with pytest.raises(ProfileMismatch, match=r"float32.*bfloat16"):
-        emulator.apply_profile(model, ALL_EMULATED)
-    assert_untouched(model, state)
+    # (FP32 weights are accepted as mixed precision's master weights: test_mixed_precision.py.)
+    for dtype in ("float16", "float64"):
+        model = tiny_model("llama", seed=1, dtype=dtype)
+        state = model_state(model)
+        with pytest.raises(ProfileMismatch, match=rf"{dtype}.*bfloat16"):
+            emulator.apply_profile(model, ALL_EMULATED)
+        assert_untouched(model, state)
     model = tiny_model("llama", seed=1)
     fp16 = get_profile(ALL_EMULATED).model_copy(update={"dtype": "float16"})
     state = model_state(model)

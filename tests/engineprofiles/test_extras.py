@@ -11,7 +11,7 @@ from engineprofiles import extras
 from engineprofiles.errors import EngineProfilesError, MissingDependency
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
-MODULE_OF = {"transformers": "transformers", "triton": "triton"}  # distribution -> module it provides
+MODULE_OF = {"transformers": "transformers", "triton": "triton", "matplotlib": "matplotlib"}  # distribution -> module it provides
 
 
 def _name(requirement: str) -> str:
