@@ -266,7 +266,7 @@ def capture_sglang(model_dir: str, prompts: list[list[int]], max_tokens: int, se
             if n_layers is None:
                 n_layers = 1 + max(c["layer"] for c in attn)
                 first = attn[0]
-                backend = dict(scale=first["scale"],
+                backend = dict(scale=first["scale"], decode_samples="per_call",
                                torch_threads=first["threads"], split_kv=False)
             sample_calls = [[dict(q=c["q"], k=c["k"], v=c["v"], out=c["out"]) for c in attn if c["layer"] == i]
                             for i in range(n_layers)]
