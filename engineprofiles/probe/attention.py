@@ -45,7 +45,7 @@ KERNEL_STARTS = (
         scale="query", qk_dot="fma", exp="poly5_fma", row_sum="lanes16_tree", pv_dot="fma",
         normalize="reciprocal_f64"))),
     ("torch's CPU flash attention (AVX512, BF16/FP16)", ATTENTION_SPEC.point(dict(logits="fp32", probs="rounded"), dict(
-        scale="logits", qk_dot="matmul", exp="vec16_fexp_u20", row_sum="lanes16_tree", pv_dot="matmul",
+        scale="logits", qk_dot="matmul", exp="vec16_fexp_u20", row_sum="vec16_tree_tail", pv_dot="matmul",
         normalize="reciprocal_f64"))),
 )
 

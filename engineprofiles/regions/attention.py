@@ -8,7 +8,8 @@ Per query row (one head, one token), with the keys it may see:
     l_j = round(l_j)?                          # site: logits
     m = max_j l_j
     p_j = exp(l_j - m)                         # variant: exp (poly5_fma | correctly_rounded | torch | vec16_fexp_u20)
-    s = sum_j p_j                              # variant: row_sum (lanes16_tree | lanes16_sequential | sequential | torch)
+    s = sum_j p_j                              # variant: row_sum (lanes16_tree | lanes16_sequential | sequential | torch
+                                               #                   | vec16_tree_tail)
     normalize: p_j = p_j / s here (before_pv), or the output is scaled at the end   # variant: normalize
     p_j = round(p_j)?                          # site: probs
     o = sum_j p_j v_j over the keys            # variant: pv_dot (fma | mul_add | matmul)
@@ -27,13 +28,11 @@ AVX512: 16 FP32 lanes), which SGLang's CPU engine calls (its ``torch_native`` ba
 keys (every key of the call, masked ones included) is split into its whole 16-lane vectors (keys
 0 .. 16*floor(L/16) - 1) and a tail: ``vec16_fexp_u20`` is at::vec's ``fexp_u20`` (Malossi et al.'s
 fast exp: a cubic correction of 2^frac written into the exponent bits, good to about 1e-5) on the
-vectors and exp rounded once (libm) on the tail. The kernel sums the vectors lane-wise, adds the 16
-lanes as a tree, then the tail keys in order; that sum differs from ``lanes16_tree`` (tail key j in
-lane j mod 16) in its last bit on some rows, but no probe input (nor a captured call) showed that in
-an output bit, so the lattice does not carry it as a separate option (an option no input can tell
-apart would be a dead one). The kernel takes keys in blocks of 512 with an online softmax; the
-reference models one block, so it refuses rows of more than 512 keys at ``vec16_fexp_u20`` rather
-than compute other bits.
+vectors and exp rounded once (libm) on the tail; ``vec16_tree_tail`` sums the vectors lane-wise, adds
+the 16 lanes as a tree, then adds the tail keys in order (a row of fewer than 16 keys is a sequential
+sum, unlike ``lanes16_tree``). The kernel takes keys in blocks of 512 with an online softmax; the
+reference models one block, so it refuses rows of more than 512 keys at these options rather than
+compute other bits.
 
 Every FP32 step is an IEEE operation computed with torch (fused multiply-adds through
 :func:`engineprofiles.portable.fma`), so the reference computes the same bits on any device.
@@ -65,9 +64,10 @@ SPEC = RegionSpec(
                 "exp: degree-5 polynomial with FMAs (vectorized kernels), exp rounded once, torch.exp in FP32, or "
                 "torch's CPU flash attention (fexp_u20 on whole 16-lane vectors of the row, exp rounded once on the "
                 "rest)"),
-        variant("row_sum", ("lanes16_tree", "lanes16_sequential", "sequential", "torch"),
+        variant("row_sum", ("lanes16_tree", "lanes16_sequential", "sequential", "torch", "vec16_tree_tail"),
                 "sum of the softmax numerators: 16 lanes (key j in lane j mod 16) added as a tree or in lane "
-                "order, one sequential sum, or torch.sum"),
+                "order, one sequential sum, torch.sum, or torch's CPU flash attention (the whole 16-lane vectors "
+                "lane-wise, the lanes as a tree, then the rest in order)"),
         variant("pv_dot", ("fma", "mul_add", "matmul"),
                 "p.v: sequential over the keys with fused multiply-adds, with separate multiply and add, or "
                 "torch's FP32 matmul"),
@@ -155,6 +155,12 @@ def _exp(x: torch.Tensor, how: str) -> torch.Tensor:
 def _row_sum(p: torch.Tensor, how: str) -> torch.Tensor:
     if how == "torch":
         return p.sum(-1)
+    if how == "vec16_tree_tail":
+        nv = _vec16_split(p.shape[-1])
+        acc = _row_sum(p[..., :nv], "lanes16_tree") if nv else torch.zeros_like(p[..., 0])
+        for j in range(nv, p.shape[-1]):
+            acc = acc + p[..., j]
+        return acc
     if how == "sequential":
         acc = torch.zeros_like(p[..., 0])
         for j in range(p.shape[-1]):
@@ -217,8 +223,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Poin
     tk, hk, _ = k.shape
     if mask is None:
         mask = causal_mask(tq, tk, q.device)
-    if tk > VEC16_MAX_KEYS and point["exp"] == "vec16_fexp_u20":
-        raise ValueError(f"attention_ref: {tk} keys; exp=vec16_fexp_u20 models torch's CPU flash attention for up to "
+    if tk > VEC16_MAX_KEYS and (point["exp"] == "vec16_fexp_u20" or point["row_sum"] == "vec16_tree_tail"):
+        raise ValueError(f"attention_ref: {tk} keys; the vec16 options model torch's CPU flash attention for up to "
                          f"{VEC16_MAX_KEYS} keys (one block of its online softmax), not longer rows")
     g = hq // hk
     qh = q.float().transpose(0, 1)  # [Hq, Tq, D]

@@ -18,11 +18,13 @@ from ...names import ENGINE_MODES, check_mode_name
 from ..base import Adapter, EngineInfo, EngineNotInstalled, RegionImpl, Unavailable
 
 MODES = ENGINE_MODES["sglang"]
-# Attention probe cases on top of the standard ones: long flat rows with head dims 128 and 96 (softmax
-# scales that are not powers of two), where the order of torch's CPU flash attention's row sum and where
-# its scale multiplies show in the output bits; the standard cases leave those choices tied.
+# Attention probe cases on top of the standard ones, where torch's CPU flash attention has choices the
+# standard cases leave tied: long flat rows with head dims 128 and 96 (softmax scales that are not powers
+# of two: where the scale multiplies) and many short rows of many heads (the row sum's order: rows of
+# fewer than 16 keys are summed in order, longer ones lane-wise, which shows in an output bit rarely).
 ATTENTION_CASES = (("decode", 1, 511, 8, 2, 128, 0.5), ("chunk", 3, 400, 8, 2, 128, 0.5),
-                   ("chunk", 40, 480, 8, 2, 128, 0.5), ("decode", 1, 257, 8, 2, 96, 0.5))
+                   ("chunk", 40, 480, 8, 2, 128, 0.5), ("decode", 1, 257, 8, 2, 96, 0.5),
+                   ("prefill", 15, 15, 128, 8, 256, 0.3), ("prefill", 24, 24, 64, 8, 256, 1.0))
 INSTALL_HINT = "scripts/engine_env.sh sglang 0.5.23"
 
 
