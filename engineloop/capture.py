@@ -157,6 +157,12 @@ def sglang_attention_hook(config: dict[str, Any]):
 
     folder = config["dir"]
     count = [0]
+    try:  # the attention backend in effect (SGLang resolves "intel_amx" to "torch_native" without AMX)
+        from sglang.srt.runtime_context import get_exec
+
+        backend = str(get_exec().kernel.attention_backend)
+    except Exception:  # noqa: BLE001 - another SGLang layout: recorded as unknown
+        backend = "?"
 
     def hook(module, args, output):
         q, k, v, fb = args[:4]
@@ -166,7 +172,7 @@ def sglang_attention_hook(config: dict[str, Any]):
                    v=v.detach().reshape(-1, hk, int(module.v_head_dim)).clone(),
                    out=output.detach().reshape(-1, hq, int(module.v_head_dim)).clone(),
                    positions=fb.positions.detach().clone() if fb.positions is not None else None,
-                   scale=float(module.scaling), threads=torch.get_num_threads())
+                   scale=float(module.scaling), threads=torch.get_num_threads(), backend=backend)
         count[0] += 1
         torch.save(rec, os.path.join(folder, f"{os.getpid()}-{count[0]:07d}-attn-L{rec['layer']}.pt"))
 
@@ -266,7 +272,7 @@ def capture_sglang(model_dir: str, prompts: list[list[int]], max_tokens: int, se
             if n_layers is None:
                 n_layers = 1 + max(c["layer"] for c in attn)
                 first = attn[0]
-                backend = dict(scale=first["scale"], decode_samples="per_call",
+                backend = dict(scale=first["scale"], decode_samples="per_call", backend=first["backend"],
                                torch_threads=first["threads"], split_kv=False)
             sample_calls = [[dict(q=c["q"], k=c["k"], v=c["v"], out=c["out"]) for c in attn if c["layer"] == i]
                             for i in range(n_layers)]
@@ -307,10 +313,10 @@ def capture_sglang(model_dir: str, prompts: list[list[int]], max_tokens: int, se
 
     return dict(
         engine=dict(name="sglang", version=str(sglang.__version__), torch_version=str(torch.__version__),
-                    compilation_mode="NONE", mode=mode, cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                    attention=dict(backend, backend=str(getattr(sa, "attention_backend", "?")), impl="RadixAttention",
-                                   isa=torch.backends.cpu.get_cpu_capability(), block_size=int(getattr(sa, "page_size", 1) or 1)),
-                    settings=dict(attention_backend=str(getattr(sa, "attention_backend", "?")),
+                    compilation_mode="eager", mode=mode, cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                    attention=dict(backend, impl="RadixAttention", isa=torch.backends.cpu.get_cpu_capability(),
+                                   block_size=int(getattr(sa, "page_size", 1) or 1)),
+                    settings=dict(attention_backend=backend.get("backend", "?"),
                                   enable_torch_compile=bool(getattr(sa, "enable_torch_compile", False)),
                                   disable_radix_cache=True, cpu_has_amx_support=bool(cpu_has_amx_support()),
                                   sgl_kernel=standin)),

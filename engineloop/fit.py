@@ -290,6 +290,10 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
     settings = dict(start.engine.settings)
     settings["in_situ_family"] = fams[0] if len(fams) == 1 else fams
     eng = first
+    # What the capture's engine ran with, where it says (SGLang: the attention backend in effect, the
+    # radix cache, the sgl_kernel stand-in).
+    for k, v in sorted((eng.get("settings") or {}).items()):
+        settings[f"in_situ.{k}"] = v
     if eng.get("cpu_capability") is not None:
         settings["cpu_capability"] = eng["cpu_capability"]
     update: dict[str, Any] = {"settings": settings}
