@@ -314,6 +314,13 @@ def capture_sglang(model_dir: str, prompts: list[list[int]], max_tokens: int, se
     return dict(
         engine=dict(name="sglang", version=str(sglang.__version__), torch_version=str(torch.__version__),
                     compilation_mode="eager", mode=mode, cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                    # How SGLang 0.5.23 takes log-probs on CPU: prompt log-probs as (x - max) - logsumexp(x - max)
+                    # (sglang.srt.layers.logprob_processor); a sampled token's as log(softmax(x / T)) (its
+                    # sampler), unless --enable-deterministic-inference (then log_softmax).
+                    logprob_formula="shifted_logsumexp",
+                    decode_logprobs_note="SGLang's sampler returns log(softmax(logits / T)) for sampled tokens, its "
+                    "prompt log-probs are (x - max) - logsumexp(x - max); --enable-deterministic-inference makes the "
+                    "sampler use log_softmax",
                     attention=dict(backend, impl="RadixAttention", isa=torch.backends.cpu.get_cpu_capability(),
                                    block_size=int(getattr(sa, "page_size", 1) or 1)),
                     settings=dict(attention_backend=backend.get("backend", "?"),

@@ -86,12 +86,26 @@ def combine(base: Profile, other: Profile, regions: tuple[str, ...]) -> Profile:
                         provenance=base.provenance.model_copy(update={"method": "synthetic"}))
 
 
-def sequence_logprobs(model, seq: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Trainer log-probs of the sampled tokens and of every prompt+completion token (teacher forced)."""
+def _shifted_logsumexp(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """SGLang's prompt log-probs (sglang.srt.layers.logprob_processor on CPU): (x - max) - logsumexp(x - max)."""
+    mx = x.amax(-1)
+    lse = torch.logsumexp(x - mx[:, None], -1)
+    return (x.gather(-1, tokens[:, None])[:, 0] - mx) - lse
+
+
+LOGPROB_FORMULAS = {
+    "log_softmax": lambda x, t: torch.log_softmax(x, -1).gather(-1, t[:, None])[:, 0],
+    "shifted_logsumexp": _shifted_logsumexp,
+}
+
+
+def sequence_logprobs(model, seq: dict[str, Any], formula: str = "log_softmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """Trainer log-probs of the sampled tokens and of every prompt+completion token (teacher forced);
+    ``formula``: how log-probs are taken from the FP32 logits (the trainer's own: log_softmax)."""
     ids = torch.tensor(seq["prompt"] + seq["completion"]).unsqueeze(0)
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].float()
-    lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:].unsqueeze(-1))[:, 0]
+    lp = LOGPROB_FORMULAS[formula](logits[:-1], ids[0, 1:])
     n_prompt = len(seq["prompt"])
     return lp[n_prompt - 1:], lp
 
@@ -392,15 +406,27 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
         finally:
             handle.remove()
         report.prefill_rows.append(("+ profile + engine attention", mismatch(lpre, full)))
+    # An engine whose prompt log-probs are not log_softmax (SGLang: (x - max) - logsumexp(x - max)) says so
+    # in its capture: the exact trainer's logits through the engine's own formula show what is left.
+    formula = eng.get("logprob_formula")
+    if exact and formula in LOGPROB_FORMULAS:
+        handle = apply_profile(model, prof, exact=True)
+        try:
+            full = torch.cat([sequence_logprobs(model, s, formula)[1] for s in seqs])
+        finally:
+            handle.remove()
+        report.prefill_rows.append(("exact, engine's log-prob formula", mismatch(lpre, full)))
     dec = torch.tensor([x for sq in seqs for x in sq["sample_logprobs"]], dtype=torch.float32)
     pre = torch.tensor([x for sq in seqs for x in sq["prompt_logprobs"][len(sq["prompt"]):]], dtype=torch.float32)
     if dec.numel() and dec.shape == pre.shape:
         report.engine_decode_equals_prefill = float((dec == pre).float().mean())
         if report.engine_decode_equals_prefill < 1.0:
             split = eng.get("attention", {}).get("split_kv")
+            why = eng.get("decode_logprobs_note")
             report.warnings.append(
                 f"the engine's own decode and prefill log-probs of the sampled tokens agree on only "
                 f"{report.engine_decode_equals_prefill:.2%} of them: no single trainer forward can match both"
                 + (" (vLLM's CPU attention splits long decode contexts across threads with VLLM_CPU_ATTN_SPLIT_KV=1; "
-                   "run the engine with VLLM_CPU_ATTN_SPLIT_KV=0 to make decode equal prefill)" if split else ""))
+                   "run the engine with VLLM_CPU_ATTN_SPLIT_KV=0 to make decode equal prefill)" if split else "")
+                + (f" ({why})" if why else ""))
     return report
