@@ -341,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=12, help="length of the first prompt (the others add 1..4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode", default="default", choices=["default", "eager"])
-    ap.add_argument("--nccl-port", type=int, default=None, help="sglang: pin the engine's one TCP port (default: a free one)")
+    port = os.environ.get("ENGINEPROFILES_SGLANG_NCCL_PORT")
+    ap.add_argument("--nccl-port", type=int, default=int(port) if port else None,
+                    help="sglang: pin the engine's one TCP port (default: $ENGINEPROFILES_SGLANG_NCCL_PORT, else a free one)")
     a = ap.parse_args(argv)
     import json
 
