@@ -201,9 +201,8 @@ def _classify(text: str, code: int) -> tuple[str, str]:
         if pattern.search(text):
             return cause, what
     if code < 0 or code == 137 or "SIGQUIT received" in text or "Traceback (most recent call last)" in text:
-        how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
-        return "engine-crash", f"the engine crashed ({how})"
-    return "failed", f"the capture exited with status {code}"
+        return "engine-crash", "the engine crashed (its traceback, if any, is in the log)"
+    return "failed", "the capture ended with an error"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -263,7 +262,8 @@ def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_to
         hint = ""
         if cause == "missing-standin":
             hint = f"; make the environment again with `{runner.install_hint(engine)}`"
-        raise EngineRunFailed(f"{engine} capture with {py} failed: {cause}: {what}{hint}. Full log: {log}\n{tail}",
+        how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
+        raise EngineRunFailed(f"{engine} capture with {py} failed ({how}): {cause}: {what}{hint}. Full log: {log}\n{tail}",
                               cause, log)
     log.unlink(missing_ok=True)
     return load_capture(out)

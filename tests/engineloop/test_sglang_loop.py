@@ -104,7 +104,7 @@ def _run(tmp_path: Path, venv: Path) -> mm.EngineRunFailed:
      "port-in-use", ["port"]),
     ('echo "Traceback (most recent call last):" >&2; echo "RuntimeError: boom" >&2; kill -9 $$', "engine-crash",
      ["crashed", "signal 9", "RuntimeError: boom"]),
-    ('echo "something odd" >&2; exit 5', "failed", ["status 5", "something odd"]),
+    ('echo "something odd" >&2; exit 5', "failed", ["exit 5", "something odd"]),
 ], ids=["missing-standin", "port-in-use", "crash", "other"])
 def test_a_failed_engine_run_names_its_cause_and_keeps_its_log(tmp_path, body, cause, words):
     err = _run(tmp_path, _fake_python(tmp_path, body))
