@@ -236,9 +236,201 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
     )
 
 
+# -- SGLang ----------------------------------------------------------------------------------------
+#
+# SGLang runs the model in a scheduler subprocess; what it materializes is recorded there by forward
+# hooks, which the engine installs itself from its ``forward_hooks`` server argument (a factory named
+# by import path, so this module must be importable in the engine's environment: it is, the project
+# is installed there). Every hook call writes one small file into a folder; the calling process reads
+# them after each request (a request's calls are all written before its result comes back).
+
+SGLANG_ATTN_TARGETS = ["model.layers.*.self_attn.attn"]
+SGLANG_LOGITS_TARGETS = ["logits_processor"]
+
+
+def sglang_attention_hook(config: dict[str, Any]):
+    """Forward-hook factory (``forward_hooks``): RadixAttention's q, k (after RoPE), v and output."""
+    import torch
+
+    folder = config["dir"]
+    count = [0]
+    try:  # the attention backend in effect (SGLang resolves "intel_amx" to "torch_native" without AMX)
+        from sglang.srt.runtime_context import get_exec
+
+        backend = str(get_exec().kernel.attention_backend)
+    except Exception:  # noqa: BLE001 - another SGLang layout: recorded as unknown
+        backend = "?"
+
+    def hook(module, args, output):
+        q, k, v, fb = args[:4]
+        hq, hk, d = int(module.tp_q_head_num), int(module.tp_k_head_num), int(module.qk_head_dim)
+        rec = dict(kind="attn", layer=int(module.layer_id), mode=str(getattr(fb.forward_mode, "name", fb.forward_mode)),
+                   q=q.detach().reshape(-1, hq, d).clone(), k=k.detach().reshape(-1, hk, d).clone(),
+                   v=v.detach().reshape(-1, hk, int(module.v_head_dim)).clone(),
+                   out=output.detach().reshape(-1, hq, int(module.v_head_dim)).clone(),
+                   positions=fb.positions.detach().clone() if fb.positions is not None else None,
+                   scale=float(module.scaling), threads=torch.get_num_threads(), backend=backend)
+        count[0] += 1
+        torch.save(rec, os.path.join(folder, f"{os.getpid()}-{count[0]:07d}-attn-L{rec['layer']}.pt"))
+
+    return hook
+
+
+def sglang_logits_hook(config: dict[str, Any]):
+    """Forward-hook factory: the final hidden states handed to the logits processor."""
+    import torch
+
+    folder = config["dir"]
+    count = [0]
+
+    def hook(module, args, output):
+        count[0] += 1
+        torch.save(dict(kind="hidden", hidden=args[1].detach().clone(), input_ids=args[0].detach().clone()),
+                   os.path.join(folder, f"{os.getpid()}-{count[0]:07d}-hidden.pt"))
+
+    return hook
+
+
+class CaptureFailure(RuntimeError):
+    """The engine did not start or did not finish: ``cause`` is one word the caller reports."""
+
+    def __init__(self, cause: str, message: str):
+        super().__init__(message)
+        self.cause = cause
+
+
+def _read_calls(folder: str, seen: set[str]) -> list[dict[str, Any]]:
+    import torch
+
+    new = sorted(f for f in os.listdir(folder) if f.endswith(".pt") and f not in seen)
+    seen.update(new)
+    # One scheduler process writes them all; its counter orders them.
+    return [torch.load(os.path.join(folder, f), weights_only=True) for f in new]
+
+
+def check_sgl_kernel_standin() -> str:
+    """What ``sgl_kernel`` is in this environment: the project's stand-in (its version string), or a
+    CaptureFailure saying what to run."""
+    try:
+        import sgl_kernel
+    except ImportError:
+        raise CaptureFailure(
+            "missing-standin",
+            "SGLang's offline engine imports `sgl_kernel`, which is not installed in this environment (PyPI has "
+            "only CUDA builds); `scripts/engine_env.sh sglang VERSION` installs the project's CPU stand-in "
+            "(scripts/sgl_kernel_standin/) into the engine's environment") from None
+    return str(getattr(sgl_kernel, "STANDIN", f"sgl_kernel {getattr(sgl_kernel, '__version__', '?')} (not the stand-in)"))
+
+
+def capture_sglang(model_dir: str, prompts: list[list[int]], max_tokens: int, seed: int, mode: str = "default",
+                   nccl_port: int | None = None) -> dict[str, Any]:
+    """The SGLang offline engine (``sglang.Engine``) on CPU, as it runs by default there; the same
+    two requests per prompt as :func:`capture_vllm` (sample, then re-score prompt + completion with
+    prompt log-probs). The radix (prefix) cache is off, so that the re-scoring prefill computes every
+    position instead of reusing the sampling's prompt (the numbers of one forward do not change)."""
+    import tempfile
+
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # read once at import (sglang.srt.utils.is_cpu)
+    if mode != "default":
+        raise CaptureFailure("bad-mode", f"SGLang's in-situ capture runs the engine's default CPU mode only, not {mode!r} "
+                             "(--enable-torch-compile needs AMX on CPU)")
+    standin = check_sgl_kernel_standin()
+    import json
+
+    import torch
+    import sglang
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab = int(json.load(f)["vocab_size"])
+    t0 = time.perf_counter()
+    folder = tempfile.mkdtemp(prefix="sglang-capture-")
+    hooks = [dict(name="engineprofiles-attn", target_modules=SGLANG_ATTN_TARGETS,
+                  hook_factory="engineloop.capture:sglang_attention_hook", config={"dir": folder}),
+             dict(name="engineprofiles-hidden", target_modules=SGLANG_LOGITS_TARGETS,
+                  hook_factory="engineloop.capture:sglang_logits_hook", config={"dir": folder})]
+    kw: dict[str, Any] = dict(model_path=model_dir, device="cpu", skip_tokenizer_init=True, dtype="bfloat16",
+                              random_seed=seed, context_length=512, max_running_requests=1, disable_radix_cache=True,
+                              mem_fraction_static=0.05, forward_hooks=hooks, log_level="info")
+    if nccl_port is not None:
+        kw["nccl_port"] = nccl_port
+    engine = sglang.Engine(**kw)
+    try:
+        _log(f"SGLang {sglang.__version__} engine up in {time.perf_counter() - t0:.1f}s ({standin})")
+        seen: set[str] = set()
+        _read_calls(folder, seen)  # anything the start-up ran
+        n_layers = None
+        backend: dict[str, Any] = {}
+        sequences = []
+        for j, prompt in enumerate(prompts):
+            out = engine.generate(input_ids=prompt, sampling_params=dict(max_new_tokens=max_tokens, temperature=1.0,
+                                  sampling_seed=seed + j, ignore_eos=True), return_logprob=True)
+            calls = _read_calls(folder, seen)
+            attn = [c for c in calls if c["kind"] == "attn"]
+            if n_layers is None:
+                n_layers = 1 + max(c["layer"] for c in attn)
+                first = attn[0]
+                backend = dict(scale=first["scale"], decode_samples="per_call", backend=first["backend"],
+                               torch_threads=first["threads"], split_kv=False)
+            sample_calls = [[dict(q=c["q"], k=c["k"], v=c["v"], out=c["out"]) for c in attn if c["layer"] == i]
+                            for i in range(n_layers)]
+            meta = out["meta_info"]
+            completion = list(out["output_ids"])
+            sample_lp = [float(lp) for lp, tok, _ in meta["output_token_logprobs"]]
+            if [tok for _, tok, _ in meta["output_token_logprobs"]] != completion:
+                raise CaptureFailure("engine", "SGLang's output_token_logprobs do not name the sampled tokens")
+            full = prompt + completion
+            res = engine.generate(input_ids=full, sampling_params=dict(max_new_tokens=1, temperature=0.0),
+                                  return_logprob=True, logprob_start_len=0)
+            calls = _read_calls(folder, seen)
+            itl = res["meta_info"]["input_token_logprobs"]
+            # SGLang 0.5.23 reports the id vocab_size - 1 as 0 in input_token_logprobs ("clip padded hash values
+            # of image tokens", an off by one): the log-prob itself is of the real token (its ids are clamped
+            # to vocab_size - 1, not replaced), only the id shown differs.
+            shown = [t for _, t, _ in itl]
+            if len(itl) != len(full) or any(s != t and not (s == 0 and t == vocab - 1) for s, t in zip(shown, full)):
+                raise CaptureFailure("engine", f"SGLang's prompt log-probs name other tokens than the {len(full)} "
+                                     f"scored: {shown} for {full}")
+            prompt_lp = [None] + [float(lp) for lp, _, _ in itl[1:]]
+            layers = []
+            for i in range(n_layers):
+                call = next((c for c in calls if c["kind"] == "attn" and c["layer"] == i
+                             and c["q"].shape[0] == len(full)), None)
+                layers.append(None if call is None else dict(q=call["q"], k=call["k"], v=call["v"], out=call["out"]))
+            hidden = _full_hidden([c["hidden"] for c in calls if c["kind"] == "hidden"], len(full))
+            sequences.append(dict(prompt=prompt, completion=completion, sample_logprobs=sample_lp,
+                                  prompt_logprobs=prompt_lp, layers=layers, hidden=hidden, sample_calls=sample_calls))
+            _log(f"sequence {j + 1}/{len(prompts)}: {len(prompt)} prompt + {len(completion)} sampled tokens")
+        sa = engine.server_args
+    finally:
+        engine.shutdown()
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+    from sglang.srt.utils import cpu_has_amx_support
+
+    return dict(
+        engine=dict(name="sglang", version=str(sglang.__version__), torch_version=str(torch.__version__),
+                    compilation_mode="eager", mode=mode, cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                    # How SGLang 0.5.23 takes log-probs on CPU: prompt log-probs as (x - max) - logsumexp(x - max)
+                    # (sglang.srt.layers.logprob_processor); a sampled token's as log(softmax(x / T)) (its
+                    # sampler), unless --enable-deterministic-inference (then log_softmax).
+                    logprob_formula="shifted_logsumexp",
+                    decode_logprobs_note="SGLang's sampler returns log(softmax(logits / T)) for sampled tokens, its "
+                    "prompt log-probs are (x - max) - logsumexp(x - max); --enable-deterministic-inference makes the "
+                    "sampler use log_softmax",
+                    attention=dict(backend, impl="RadixAttention", isa=torch.backends.cpu.get_cpu_capability(),
+                                   block_size=int(getattr(sa, "page_size", 1) or 1)),
+                    settings=dict(attention_backend=backend.get("backend", "?"),
+                                  enable_torch_compile=bool(getattr(sa, "enable_torch_compile", False)),
+                                  disable_radix_cache=True, cpu_has_amx_support=bool(cpu_has_amx_support()),
+                                  sgl_kernel=standin)),
+        model_dir=model_dir, sequences=sequences, seed=seed, seconds=time.perf_counter() - t0,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="capture what a real engine materializes on a local model")
-    ap.add_argument("engine", choices=["vllm"])
+    ap.add_argument("engine", choices=["vllm", "sglang"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--prompts", type=int, default=4)
@@ -246,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=12, help="length of the first prompt (the others add 1..4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode", default="default", choices=["default", "eager"])
+    port = os.environ.get("ENGINEPROFILES_SGLANG_NCCL_PORT")
+    ap.add_argument("--nccl-port", type=int, default=int(port) if port else None,
+                    help="sglang: pin the engine's one TCP port (default: $ENGINEPROFILES_SGLANG_NCCL_PORT, else a free one)")
     a = ap.parse_args(argv)
     import json
 
@@ -253,7 +448,15 @@ def main(argv: list[str] | None = None) -> int:
 
     with open(os.path.join(a.model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    data = capture_vllm(a.model, prompts_for(a.prompts, vocab, a.seed, a.prompt_len), a.max_tokens, a.seed, a.mode)
+    ps = prompts_for(a.prompts, vocab, a.seed, a.prompt_len)
+    if a.engine == "sglang":
+        try:
+            data = capture_sglang(a.model, ps, a.max_tokens, a.seed, a.mode, a.nccl_port)
+        except CaptureFailure as e:
+            _log(f"error: {e.cause}: {e}")
+            return 3
+    else:
+        data = capture_vllm(a.model, ps, a.max_tokens, a.seed, a.mode)
     tmp = a.out + ".tmp"
     torch.save(data, tmp)
     os.replace(tmp, a.out)

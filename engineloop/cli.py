@@ -337,7 +337,7 @@ def _report_check(outcomes: list, engine: str, version: str, installed: Optional
 
 @app.command()
 def mismatch(
-    engine: str = typer.Argument("vllm", help="engine that samples: vllm"),
+    engine: str = typer.Argument("vllm", help="engine that samples: vllm or sglang"),
     family: str = typer.Option("qwen2", help="tiny model family: qwen2, qwen3, llama"),
     profile: Optional[str] = typer.Option(None, help="profile to apply (default: the shipped one of the engine)"),
     prompts: int = typer.Option(4, help="number of prompts"),
@@ -370,8 +370,10 @@ def mismatch(
 
     from . import runner, tables
 
-    if engine != "vllm":
-        _fail(EngineProfilesError(f"mismatch runs vllm only; {engine!r}: SGLang's CPU engine needs a stub sgl_kernel to start (see docs/mismatch.md)"))
+    if engine not in ("vllm", "sglang"):
+        _fail(EngineProfilesError(f"mismatch runs vllm or sglang; got {engine!r}"))
+    if engine == "sglang" and mode not in ("default",):
+        _fail(EngineProfilesError(f"mismatch runs SGLang's CPU engine in its default mode only; got --mode {mode!r}"))
     size = _size(layers, hidden, intermediate, heads, kv_heads, head_dim)
     # Everything that can be checked is checked before the engine runs (minutes).
     try:
@@ -478,7 +480,7 @@ def localize(
     from . import tables
 
     if engine != "vllm":
-        _fail(EngineProfilesError(f"localize runs vllm only; {engine!r} has no engine-in-the-loop capture yet"))
+        _fail(EngineProfilesError(f"localize runs vllm only (SGLang's capture runs its model compiled into the scheduler process, with no per-module tensors yet); got {engine!r}"))
     size = _size(layers, hidden, intermediate, heads, kv_heads, head_dim)
     try:
         _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out)
@@ -515,7 +517,8 @@ def localize(
 ENGINE_HELP = {
     "vllm": "Probe vLLM's layers as the engine runs them by default on this device (its CPU build "
     "compiles the model with Inductor); --mode eager probes the enforce_eager path.",
-    "sglang": "Probe SGLang's layers as its CPU engine runs them.",
+    "sglang": "Probe SGLang's layers as its CPU engine runs them (op-level by default); --in-situ runs its "
+    "offline engine on tiny models and fits the profile from what it materializes.",
     "transformers": "Probe HF transformers' own modules (the trainer side), or a patched model.",
 }
 
@@ -712,7 +715,11 @@ def _in_situ(engine: str, families: list[str], output: Optional[str], seed: int,
             if (c["engine"]["version"], c["engine"].get("mode", "default")) != (version, cap_mode):
                 raise EngineProfilesError(f"the {family} capture comes from {c['engine']['name']} {c['engine']['version']} "
                                           f"({c['engine'].get('mode')}), the first from {version} ({cap_mode})")
-        start_name = f"{engine}-{version}-cpu-{'eager' if cap_mode == 'eager' else 'inductor'}-bfloat16"
+        for family, _, c in pairs:
+            if c["engine"]["name"] != engine:
+                raise EngineProfilesError(f"the {family} capture comes from {c['engine']['name']}, not {engine}")
+        execution = "inductor" if engine == "vllm" and cap_mode != "eager" else "eager"
+        start_name = f"{engine}-{version}-cpu-{execution}-bfloat16"
         try:
             start = store.get_profile(start_name)
         except EngineProfilesError:
@@ -750,8 +757,9 @@ def _engine_command(engine: str):
         in_situ: Optional[bool] = typer.Option(
             None, "--in-situ/--op-level",
             help="in situ: run the whole engine on a tiny model and fit the profile from what it materializes "
-            "(the default for vLLM's compiled mode on CPU, where fusion spans layers); op-level: probe each "
-            "region's own code (the default elsewhere, and the start of the in-situ fit)",
+            "(the default on CPU in bfloat16 for vLLM's compiled mode, where fusion spans layers, and for SGLang's "
+            "default CPU engine); op-level: probe each region's own code (the default elsewhere, and the start of "
+            "the in-situ fit)",
         ),
         family: Optional[list[str]] = typer.Option(
             None, help="in situ: tiny model family (qwen2, qwen3, llama), repeatable: one profile is fitted to all; "
@@ -765,10 +773,13 @@ def _engine_command(engine: str):
         except EngineProfilesError as e:
             _fail(e)
         if in_situ is None:
-            in_situ = engine == "vllm" and mode in ("default", "compiled") and device == "cpu" and dtype == "bfloat16" \
-                and region is None and not quick
-            if engine == "vllm" and mode in ("default", "compiled") and not in_situ and region is None and not quick:
-                err.print(f"note: probing op-level: the in-situ fit runs vLLM's CPU build in bfloat16 only (asked: "
+            # In situ by default where it runs: vLLM's compiled mode (fusion spans layers) and SGLang's
+            # default CPU engine, on CPU in bfloat16.
+            situ_modes = {"vllm": ("default", "compiled"), "sglang": ("default",)}[engine]
+            in_situ = mode in situ_modes and device == "cpu" and dtype == "bfloat16" and region is None and not quick
+            if mode in situ_modes and not in_situ and region is None and not quick:
+                what = "vLLM's CPU build" if engine == "vllm" else "SGLang's CPU engine"
+                err.print(f"note: probing op-level: the in-situ fit runs {what} in bfloat16 only (asked: "
                           f"--dtype {dtype} --device {device}); the profile records method op-level", highlight=False,
                           markup=False)
         elif in_situ and (quick or region):
@@ -776,8 +787,10 @@ def _engine_command(engine: str):
         if not in_situ and (family or capture):
             _fail(EngineProfilesError("--family and --capture are in-situ options; add --in-situ (or leave them out)"))
         if in_situ:
-            if engine != "vllm":
-                _fail(EngineProfilesError("--in-situ is implemented for vllm (SGLang's CPU engine runs eagerly)"))
+            if engine == "sglang" and mode != "default":
+                _fail(EngineProfilesError(
+                    f"--in-situ runs SGLang's CPU engine in its default mode only (--mode {mode}: its "
+                    "--enable-torch-compile path needs AMX on CPU); use --op-level for the compiled layers"))
             _in_situ(engine, list(family or ["qwen3"]), output, seed, env, list(capture or []), prompts, print_yaml, mode,
                      dtype, device, ship)
             return

@@ -291,6 +291,10 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
     settings = dict(start.engine.settings)
     settings["in_situ_family"] = fams[0] if len(fams) == 1 else fams
     eng = first
+    # What the capture's engine ran with, where it says (SGLang: the attention backend in effect, the
+    # radix cache, the sgl_kernel stand-in).
+    for k, v in sorted((eng.get("settings") or {}).items()):
+        settings[f"in_situ.{k}"] = v
     if eng.get("cpu_capability") is not None:
         settings["cpu_capability"] = eng["cpu_capability"]
     if eng.get("cpu_emulated"):
@@ -323,10 +327,13 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
 def attention_samples(capture: dict[str, Any]) -> list["AttentionSample"]:  # noqa: F821
     """What the engine's attention took and returned, as probe samples: per sequence and layer, the
     re-scoring prefill of the whole sequence, the sampling's prompt prefill, and the sampling's
-    decode calls stacked (each decode query sees the keys cached up to its own position)."""
+    decode calls stacked (each decode query sees the keys cached up to its own position), or one
+    sample per decode call where the capture says ``attention.decode_samples: per_call``."""
     from engineprofiles.probe.attention import AttentionSample
 
     scale = float(capture["engine"].get("attention", {}).get("scale") or 0.0)
+    # "per_call": the capture asks for each decode call as its own sample (SGLang); else they are stacked.
+    per_call = capture["engine"].get("attention", {}).get("decode_samples") == "per_call"
     out: list[AttentionSample] = []
     for seq in capture["sequences"]:
         for i, lay in enumerate(seq["layers"]):
@@ -341,6 +348,14 @@ def attention_samples(capture: dict[str, Any]) -> list["AttentionSample"]:  # no
             out.append(AttentionSample(first["q"], first["k"], first["v"], first["out"], sc, "prefill"))
             dec = calls[1:]
             if not dec or any(c["q"].shape[0] != 1 for c in dec):
+                continue
+            if per_call:
+                # One sample per decode call, with exactly the keys that call saw: kernels whose reduction
+                # order depends on the row's length (torch's CPU flash attention) see each call as it was.
+                for n, c in enumerate(dec, start=2):
+                    k = torch.cat([x["k"] for x in calls[:n]])
+                    v = torch.cat([x["v"] for x in calls[:n]])
+                    out.append(AttentionSample(c["q"], k, v, c["out"].reshape(c["q"].shape), sc, "decode"))
                 continue
             k = torch.cat([c["k"] for c in calls])
             v = torch.cat([c["v"] for c in calls])

@@ -9,6 +9,9 @@ frameworks log (engineprofiles.metrics).
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -87,12 +90,26 @@ def combine(base: Profile, other: Profile, regions: tuple[str, ...]) -> Profile:
                         provenance=base.provenance.model_copy(update={"method": "synthetic"}))
 
 
-def sequence_logprobs(model, seq: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Trainer log-probs of the sampled tokens and of every prompt+completion token (teacher forced)."""
+def _shifted_logsumexp(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """SGLang's prompt log-probs (sglang.srt.layers.logprob_processor on CPU): (x - max) - logsumexp(x - max)."""
+    mx = x.amax(-1)
+    lse = torch.logsumexp(x - mx[:, None], -1)
+    return (x.gather(-1, tokens[:, None])[:, 0] - mx) - lse
+
+
+LOGPROB_FORMULAS = {
+    "log_softmax": lambda x, t: torch.log_softmax(x, -1).gather(-1, t[:, None])[:, 0],
+    "shifted_logsumexp": _shifted_logsumexp,
+}
+
+
+def sequence_logprobs(model, seq: dict[str, Any], formula: str = "log_softmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """Trainer log-probs of the sampled tokens and of every prompt+completion token (teacher forced);
+    ``formula``: how log-probs are taken from the FP32 logits (the trainer's own: log_softmax)."""
     ids = torch.tensor(seq["prompt"] + seq["completion"]).unsqueeze(0)
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].float()
-    lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:].unsqueeze(-1))[:, 0]
+    lp = LOGPROB_FORMULAS[formula](logits[:-1], ids[0, 1:])
     n_prompt = len(seq["prompt"])
     return lp[n_prompt - 1:], lp
 
@@ -149,25 +166,110 @@ def save_model(model, path: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
+class EngineRunFailed(EngineProfilesError, RuntimeError):
+    """The engine's capture run did not finish: ``cause`` names why (``missing-standin``, ``port-in-use``,
+    ``timeout``, ``engine-crash``, ``failed``), ``log`` is the file that holds its whole output."""
+
+    def __init__(self, message: str, cause: str, log: Path | None):
+        super().__init__(message)
+        self.cause, self.log = cause, log
+
+
+TIMEOUT_VAR = "ENGINEPROFILES_CAPTURE_TIMEOUT"
+DEFAULT_TIMEOUT_S = 1800.0  # an engine run on a tiny model takes 1-3 minutes on 2 cores
+
+# What the capture's log says, most specific first: (cause, pattern in the log, what it means).
+_CAUSES = (
+    ("missing-standin", re.compile(re.escape("[capture] error: missing-standin:")),
+     "the sgl_kernel stand-in is not installed in the engine's environment"),
+    ("port-in-use", re.compile(r"address already in use|port.{0,60}(already in use|is not available)|EADDRINUSE",
+                               re.IGNORECASE), "a port the engine binds is in use"),
+)
+
+
+def _capture_timeout() -> float:
+    raw = os.environ.get(TIMEOUT_VAR)
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        t = float(raw)
+    except ValueError:
+        t = -1.0
+    if not t > 0:
+        raise EngineProfilesError(f"${TIMEOUT_VAR} must be a positive number of seconds; got {raw!r}")
+    return t
+
+
+def _classify(text: str, code: int) -> tuple[str, str]:
+    for cause, pattern, what in _CAUSES:
+        if pattern.search(text):
+            return cause, what
+    if code < 0 or code == 137 or "SIGQUIT received" in text or "Traceback (most recent call last)" in text:
+        return "engine-crash", "the engine crashed (its traceback, if any, is in the log)"
+    return "failed", "the capture ended with an error"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End the capture and the engine processes it started (its own process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
+
+
 def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_tokens: int, seed: int,
                 env: str | None, note: Callable[[str], None], mode: str = "default",
                 prompt_len: int = 12) -> dict[str, Any]:
+    """Run ``python -m engineloop.capture`` in the engine's environment and load what it wrote.
+
+    Its whole output goes to a log file (kept, and named in the error, when the run fails; removed
+    when it succeeds). A run that takes longer than ``$ENGINEPROFILES_CAPTURE_TIMEOUT`` seconds (default
+    1800) is killed with every engine process it started. Failures raise :class:`EngineRunFailed` naming
+    the cause: the SGLang stand-in missing, a port in use, a timeout, an engine crash."""
     from . import runner
 
+    timeout = _capture_timeout()
     # Inside the engine's own environment (scripts/probe.sh runs there) capture with this python.
     py = Path(sys.executable) if (runner.engine_importable(engine) and env is None) else runner.find_engine_python(engine, env)
     note(f"running {engine} from {py.parent.parent.name} on the tiny model (engine start-up takes minutes)")
     cmd = [str(py), "-m", "engineloop.capture", engine, "--model", str(model_dir), "--out", str(out),
            "--prompts", str(prompts), "--max-tokens", str(max_tokens), "--seed", str(seed), "--mode", mode,
            "--prompt-len", str(prompt_len)]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
-    except OSError as e:
-        raise EngineProfilesError(f"cannot run {py} ({e.strerror or e}); is it the python of an environment made by "
-                                  "scripts/engine_env.sh?") from None
-    if r.returncode != 0:
-        tail = "\n".join(r.stderr.splitlines()[-15:]) or "(no output: is it the python of an engine environment?)"
-        raise EngineProfilesError(f"{engine} capture with {py} failed (exit {r.returncode}):\n{tail}")
+    fd, name = tempfile.mkstemp(prefix=f"engineprofiles-{engine}-capture-", suffix=".log")
+    log = Path(name)
+    with os.fdopen(fd, "w") as lf:
+        lf.write(f"$ {' '.join(cmd)}\n")
+        lf.flush()
+        try:
+            proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        except OSError as e:
+            log.unlink(missing_ok=True)
+            raise EngineProfilesError(f"cannot run {py} ({e.strerror or e}); is it the python of an environment made "
+                                      "by scripts/engine_env.sh?") from None
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise EngineRunFailed(
+                f"{engine} capture timed out: the engine did not finish within {timeout:g} s (${TIMEOUT_VAR}) and was "
+                f"stopped; its output is in {log}", "timeout", log) from None
+        except BaseException:  # Ctrl-C: leave no engine process behind
+            _kill_group(proc)
+            raise
+    if code != 0:
+        text = log.read_text(errors="replace")
+        cause, what = _classify(text, code)
+        lines = [ln for ln in text.splitlines() if ln.strip() and "Ignore import error" not in ln]
+        tail = "\n".join(lines[-12:]) or "(no output: is it the python of an engine environment?)"
+        hint = ""
+        if cause == "missing-standin":
+            hint = f"; make the environment again with `{runner.install_hint(engine)}`"
+        how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
+        raise EngineRunFailed(f"{engine} capture with {py} failed ({how}): {cause}: {what}{hint}. Full log: {log}\n{tail}",
+                              cause, log)
+    log.unlink(missing_ok=True)
     return load_capture(out)
 
 
@@ -308,15 +410,27 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
         finally:
             handle.remove()
         report.prefill_rows.append(("+ profile + engine attention", mismatch(lpre, full)))
+    # An engine whose prompt log-probs are not log_softmax (SGLang: (x - max) - logsumexp(x - max)) says so
+    # in its capture: the exact trainer's logits through the engine's own formula show what is left.
+    formula = eng.get("logprob_formula")
+    if exact and formula in LOGPROB_FORMULAS:
+        handle = apply_profile(model, prof, exact=True)
+        try:
+            full = torch.cat([sequence_logprobs(model, s, formula)[1] for s in seqs])
+        finally:
+            handle.remove()
+        report.prefill_rows.append(("exact, engine's log-prob formula", mismatch(lpre, full)))
     dec = torch.tensor([x for sq in seqs for x in sq["sample_logprobs"]], dtype=torch.float32)
     pre = torch.tensor([x for sq in seqs for x in sq["prompt_logprobs"][len(sq["prompt"]):]], dtype=torch.float32)
     if dec.numel() and dec.shape == pre.shape:
         report.engine_decode_equals_prefill = float((dec == pre).float().mean())
         if report.engine_decode_equals_prefill < 1.0:
             split = eng.get("attention", {}).get("split_kv")
+            why = eng.get("decode_logprobs_note")
             report.warnings.append(
                 f"the engine's own decode and prefill log-probs of the sampled tokens agree on only "
                 f"{report.engine_decode_equals_prefill:.2%} of them: no single trainer forward can match both"
                 + (" (vLLM's CPU attention splits long decode contexts across threads with VLLM_CPU_ATTN_SPLIT_KV=1; "
-                   "run the engine with VLLM_CPU_ATTN_SPLIT_KV=0 to make decode equal prefill)" if split else ""))
+                   "run the engine with VLLM_CPU_ATTN_SPLIT_KV=0 to make decode equal prefill)" if split else "")
+                + (f" ({why})" if why else ""))
     return report

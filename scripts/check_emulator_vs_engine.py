@@ -246,8 +246,8 @@ def check_in_situ(prof, args) -> list[Row]:
     from engineprofiles.models import tiny_model
 
     e = prof.engine
-    if e.name != "vllm":
-        raise SystemExit(f"error: in-situ capture exists for vllm only, not {e.name}")
+    if e.name not in ("vllm", "sglang"):
+        raise SystemExit(f"error: in-situ capture exists for vllm and sglang only, not {e.name}")
     fams = e.settings.get("in_situ_family") or "qwen2"
     families = [fams] if isinstance(fams, str) else list(fams)
     pairs = []
@@ -256,7 +256,7 @@ def check_in_situ(prof, args) -> list[Row]:
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(os.path.join(tmp, "model"))
             out = os.path.join(tmp, "capture.pt")
-            mode = "eager" if e.execution_mode == "eager" else "default"
+            mode = "eager" if e.name == "vllm" and e.execution_mode == "eager" else "default"  # SGLang: its default
             cmd = [sys.executable, "-m", "engineloop.capture", e.name, "--model", os.path.join(tmp, "model"),
                    "--out", out, "--prompts", "4", "--max-tokens", "16", "--seed", str(args.seed), "--mode", mode]
             print(f"capturing {e.name} {e.version} on a fresh tiny {family} model (seed {args.seed})", flush=True)

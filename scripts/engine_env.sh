@@ -48,6 +48,31 @@ install_project() {
   echo "$want" > "$VENV/.project-installed"
 }
 
+# SGLang's offline engine imports `sgl_kernel`, whose CPU build is not on PyPI: the project's stand-in
+# (scripts/sgl_kernel_standin/sgl_kernel, see its docstring) is copied into the venv's own
+# site-packages, never anywhere else. $SITE/sgl_kernel/.standin records the copy's sha256: a changed
+# stand-in is copied again; a real sgl_kernel found there (no record) is left alone.
+install_sglang_standin() {
+  [[ "$ENGINE" == sglang ]] || return 0
+  local src="$REPO/scripts/sgl_kernel_standin/sgl_kernel" site want
+  site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  case "$site" in
+    "$VENV"/*) ;;
+    *) die 1 "the venv's site-packages ($site) is not inside $VENV; not installing the sgl_kernel stand-in there" ;;
+  esac
+  want=$(cat "$src"/*.py | sha256sum | cut -d' ' -f1)
+  if [[ -f "$site/sgl_kernel/.standin" && "$(cat "$site/sgl_kernel/.standin")" == "$want" ]]; then
+    return 0
+  fi
+  if [[ -e "$site/sgl_kernel" && ! -f "$site/sgl_kernel/.standin" ]]; then
+    log "an sgl_kernel that is not the project's stand-in is installed in $site; leaving it"
+    return 0
+  fi
+  step "${1:-}installing the sgl_kernel stand-in (scripts/sgl_kernel_standin) into $site" \
+    sh -c 'rm -rf -- "$1/sgl_kernel" && cp -R -- "$2" "$1/sgl_kernel" && rm -rf -- "$1/sgl_kernel/__pycache__" \
+           && printf "%s\n" "$3" > "$1/sgl_kernel/.standin"' _ "$site" "$src" "$want"
+}
+
 # One builder per venv at a time: a second run for the same ENGINE-VERSION waits here.
 mkdir -p "$REPO/.engines"
 if command -v flock >/dev/null 2>&1; then
@@ -58,6 +83,7 @@ fi
 if [[ -f "$MARKER" && -x "$PY" ]]; then
   log "reusing ready venv $VENV"
   install_project
+  install_sglang_standin
   echo "$PY"
   exit 0
 fi
@@ -68,7 +94,7 @@ if [[ -d "$VENV" ]]; then
 fi
 
 steps_begin
-case "$ENGINE" in vllm) TOTAL=7 ;; sglang) TOTAL=8 ;; esac
+case "$ENGINE" in vllm) TOTAL=7 ;; sglang) TOTAL=10 ;; esac
 step "step 1/$TOTAL: creating venv $VENV with $($BASE_PYTHON --version 2>&1)" "$BASE_PYTHON" -m venv "$VENV"
 PIP=("$PY" -m pip --disable-pip-version-check)
 step "step 2/$TOTAL: upgrading pip" \
@@ -90,6 +116,9 @@ case "$ENGINE" in
     # what its CPU layers and engine need, with every version pinned (see that script).
     STEPS_FIRST=3 STEPS_TOTAL=$TOTAL STEPS_NAME="$STEPS_NAME" STEPS_LOG="$STEPS_LOG" \
       "$SCRIPT_DIR/_sglang_env.sh" "$VERSION" "$VENV"
+    install_sglang_standin "step 7/$TOTAL: "
+    step "step 8/$TOTAL: checking that SGLang's offline engine imports (SGLANG_USE_CPU_ENGINE=1, the stand-in)" \
+      env SGLANG_USE_CPU_ENGINE=1 "$PY" -W ignore -c 'import sgl_kernel, sglang.srt.entrypoints.engine; print(sgl_kernel.STANDIN)'
     ;;
 esac
 

@@ -14,6 +14,8 @@ PAIRS=(
   "vllm-0.32.0-cpu-inductor-bfloat16 sglang-0.5.23-cpu-eager-bfloat16|engine vs engine"
   "vllm-0.32.0-cpu-inductor-bfloat16-insitu transformers-$TF-cpu-eager-bfloat16|engine vs trainer: vLLM (in situ)"
   "sglang-0.5.23-cpu-eager-bfloat16 transformers-$TF-cpu-eager-bfloat16|engine vs trainer: SGLang"
+  "sglang-0.5.23-cpu-eager-bfloat16 sglang-0.5.23-cpu-eager-bfloat16-insitu|SGLang op-level vs in situ"
+  "sglang-0.5.23-cpu-eager-bfloat16-insitu transformers-$TF-cpu-eager-bfloat16|engine vs trainer: SGLang (in situ)"
 )
 {
   echo "# Where the engines round: diffs of the shipped profiles"

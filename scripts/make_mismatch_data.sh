@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run every end-to-end mismatch measurement that docs/mismatch.md shows (vLLM in the loop, its
 # default compiled mode and enforce_eager, the tiny models and wider ones with longer prompts,
-# with the exact-mode rows), write docs/data/*.json, then regenerate docs/mismatch.md.
+# with the exact-mode rows; SGLang's CPU engine on the tiny models), write docs/data/*.json, then
+# regenerate docs/mismatch.md.
 # Takes ~15 minutes on a 2-core CPU (each run starts the engine). --wide-only: only the wider models.
 set -euo pipefail
 REPO=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
@@ -34,4 +35,13 @@ export VLLM_CPU_ATTN_SPLIT_KV=0
 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run qwen2-wide-nosplit --family qwen2 "${WIDE[@]}" --heads 4 --kv-heads 2 --head-dim 128
 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run qwen2-wide-eager-nosplit --family qwen2 --mode eager "${WIDE[@]}" --heads 4 --kv-heads 2 --head-dim 128
 unset VLLM_CPU_ATTN_SPLIT_KV
+# SGLang's CPU engine (its default mode: eager layers, torch_native attention)
+S=${SGLANG_VERSION:-0.5.23}
+if [[ "${1:-}" != --wide-only ]]; then
+  for f in qwen2 qwen3 llama; do
+    echo "== $f: probe-engine mismatch sglang --exact --family $f" >&2
+    ENGINEPROFILES_COMMAND="probe-engine mismatch sglang --exact --family $f" \
+      "$PY" -m engineloop.cli mismatch sglang --exact --family "$f" --json "$D/mismatch-sglang-$S-$f.json" >/dev/null
+  done
+fi
 "$PY" scripts/make_mismatch_docs.py

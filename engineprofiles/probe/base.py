@@ -64,6 +64,11 @@ class Adapter:
     def attention(self) -> RegionImpl | Unavailable:
         return Unavailable(f"attention is not probed op-level for {self.name}")
 
+    def attention_cases(self) -> tuple[tuple, ...]:
+        """Attention probe cases on top of :data:`attention.ATTENTION_CASES` (same tuple layout), where
+        this engine's kernel has choices the standard cases cannot tell apart; none by default."""
+        return ()
+
     def sweep(self, region: str) -> list[dict[str, Any]] | None:
         """Shapes to probe ``region`` at, when the engine fixes some dims (a given model); None
         means the standard sweep."""

@@ -291,7 +291,7 @@ def _attention(adapter: Adapter, regions: list[str] | None, dt: torch.dtype, see
         return None, Evidence(status="unavailable", reason=str(impl))
     if progress:
         progress(f"attention: probing {impl.path}")
-    fit, nondet = probe_attention(impl.fn, dt, seed, quick, progress)
+    fit, nondet = probe_attention(impl.fn, dt, seed, quick, progress, extra=adapter.attention_cases())
     ev = fit.evidence(impl.path, notes=impl.notes)
     ev["nondeterministic"] = nondet
     return fit.point, Evidence(**ev)

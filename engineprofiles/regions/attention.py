@@ -7,8 +7,9 @@ Per query row (one head, one token), with the keys it may see:
     l_j = l_j * scale                          (scale: logits)
     l_j = round(l_j)?                          # site: logits
     m = max_j l_j
-    p_j = exp(l_j - m)                         # variant: exp (poly5_fma | correctly_rounded | torch)
-    s = sum_j p_j                              # variant: row_sum (lanes16_tree | lanes16_sequential | sequential | torch)
+    p_j = exp(l_j - m)                         # variant: exp (poly5_fma | correctly_rounded | torch | vec16_fexp_u20)
+    s = sum_j p_j                              # variant: row_sum (lanes16_tree | lanes16_sequential | sequential | torch
+                                               #                   | vec16_tree_tail)
     normalize: p_j = p_j / s here (before_pv), or the output is scaled at the end   # variant: normalize
     p_j = round(p_j)?                          # site: probs
     o = sum_j p_j v_j over the keys            # variant: pv_dot (fma | mul_add | matmul)
@@ -21,6 +22,17 @@ P·V, lane 0 first for q·k), each step one fused multiply-add or a multiply and
 j mod 16 in key order, then adds the 16 lanes as a tree (8+8, 4+4, 2+2, 1+1) or in lane order.
 ``poly5_fma`` is exp by a single-constant Cody-Waite reduction, a degree-5 polynomial evaluated with
 fused multiply-adds and a scaling by 2^(n-1)*2; ``correctly_rounded`` is exp rounded once to FP32.
+
+``vec16_*`` are torch's CPU flash attention (``scaled_dot_product_attention`` on CPU in BF16/FP16,
+AVX512: 16 FP32 lanes), which SGLang's CPU engine calls (its ``torch_native`` backend). A row of L
+keys (every key of the call, masked ones included) is split into its whole 16-lane vectors (keys
+0 .. 16*floor(L/16) - 1) and a tail: ``vec16_fexp_u20`` is at::vec's ``fexp_u20`` (Malossi et al.'s
+fast exp: a cubic correction of 2^frac written into the exponent bits, good to about 1e-5) on the
+vectors and exp rounded once (libm) on the tail; ``vec16_tree_tail`` sums the vectors lane-wise, adds
+the 16 lanes as a tree, then adds the tail keys in order (a row of fewer than 16 keys is a sequential
+sum, unlike ``lanes16_tree``). The kernel takes keys in blocks of 512 with an online softmax; the
+reference models one block, so it refuses rows of more than 512 keys at these options rather than
+compute other bits.
 
 Every FP32 step is an IEEE operation computed with torch (fused multiply-adds through
 :func:`engineprofiles.portable.fma`), so the reference computes the same bits on any device.
@@ -48,11 +60,14 @@ SPEC = RegionSpec(
         variant("qk_dot", ("fma", "mul_add", "matmul"),
                 "q.k: sequential over the head dim with fused multiply-adds, with separate multiply and add, or "
                 "torch's FP32 matmul"),
-        variant("exp", ("poly5_fma", "correctly_rounded", "torch"),
-                "exp: degree-5 polynomial with FMAs (vectorized kernels), exp rounded once, or torch.exp in FP32"),
-        variant("row_sum", ("lanes16_tree", "lanes16_sequential", "sequential", "torch"),
+        variant("exp", ("poly5_fma", "correctly_rounded", "torch", "vec16_fexp_u20"),
+                "exp: degree-5 polynomial with FMAs (vectorized kernels), exp rounded once, torch.exp in FP32, or "
+                "torch's CPU flash attention (fexp_u20 on whole 16-lane vectors of the row, exp rounded once on the "
+                "rest)"),
+        variant("row_sum", ("lanes16_tree", "lanes16_sequential", "sequential", "torch", "vec16_tree_tail"),
                 "sum of the softmax numerators: 16 lanes (key j in lane j mod 16) added as a tree or in lane "
-                "order, one sequential sum, or torch.sum"),
+                "order, one sequential sum, torch.sum, or torch's CPU flash attention (the whole 16-lane vectors "
+                "lane-wise, the lanes as a tree, then the rest in order)"),
         variant("pv_dot", ("fma", "mul_add", "matmul"),
                 "p.v: sequential over the keys with fused multiply-adds, with separate multiply and add, or "
                 "torch's FP32 matmul"),
@@ -94,17 +109,58 @@ def exp_poly5_fma(x: torch.Tensor) -> torch.Tensor:
     return poly * scale * _f32(2.0, x)
 
 
+# at::vec's fexp_u20 (aten/src/ATen/cpu/vec): the cubic's coefficients as the kernel writes them
+# (FP32 of these decimals), 2^23 and 2^23 * 127.
+_FEXP_C = (0.00010703434948458272, 0.30354260500649682, -0.22433836478672356, -0.079204240219773236)
+_FEXP_A, _FEXP_B = 8388608.0, 1065353216.0
+VEC16_MAX_KEYS = 512  # torch's CPU flash attention takes keys in blocks of 512 (kvSplitSize)
+
+
+def exp_fexp_u20(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) as at::vec's ``fexp_u20`` computes it (FP32, FMAs): 2^(x log2 e) with the fraction's
+    2^f approximated by 1 + f - K(f), K a cubic, written straight into the exponent and mantissa bits
+    (truncated to an integer); below ln(FLT_MIN) 0, above ln(FLT_MAX) +inf."""
+    lo, hi = _bits_f32(_LN_FLT_MIN, x), _bits_f32(_LN_FLT_MAX, x)
+    under, over = x < lo, x > hi
+    src = x * _bits_f32(_LOG2E, x)
+    frac = src - torch.floor(src)
+    k = portable.fma(frac, _f32(_FEXP_C[3], x), _f32(_FEXP_C[2], x))
+    k = portable.fma(frac, k, _f32(_FEXP_C[1], x))
+    k = portable.fma(frac, k, _f32(_FEXP_C[0], x))
+    # finite inputs only reach the integer conversion (inf and nan are masked below or never occur:
+    # x = logit - max <= 0)
+    t = portable.fma(_f32(_FEXP_A, x), torch.nan_to_num(src - k, nan=0.0, posinf=0.0, neginf=0.0), _f32(_FEXP_B, x))
+    i = torch.clamp(t, min=0.0).to(torch.int32)  # truncation toward zero (cvtt)
+    i = torch.where(under, torch.zeros_like(i), i)
+    i = torch.where(over, torch.full_like(i, 0x7F800000), i)
+    return i.view(torch.float32)
+
+
+def _vec16_split(n: int) -> int:
+    """The keys in whole 16-lane vectors of a row of n keys."""
+    return 16 * (n // 16)
+
+
 def _exp(x: torch.Tensor, how: str) -> torch.Tensor:
     if how == "poly5_fma":
         return exp_poly5_fma(x)
     if how == "correctly_rounded":
         return torch.exp(x.double()).float()
+    if how == "vec16_fexp_u20":
+        nv = _vec16_split(x.shape[-1])
+        return torch.cat((exp_fexp_u20(x[..., :nv]), torch.exp(x[..., nv:].double()).float()), -1)
     return torch.exp(x)
 
 
 def _row_sum(p: torch.Tensor, how: str) -> torch.Tensor:
     if how == "torch":
         return p.sum(-1)
+    if how == "vec16_tree_tail":
+        nv = _vec16_split(p.shape[-1])
+        acc = _row_sum(p[..., :nv], "lanes16_tree") if nv else torch.zeros_like(p[..., 0])
+        for j in range(nv, p.shape[-1]):
+            acc = acc + p[..., j]
+        return acc
     if how == "sequential":
         acc = torch.zeros_like(p[..., 0])
         for j in range(p.shape[-1]):
@@ -167,6 +223,9 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Poin
     tk, hk, _ = k.shape
     if mask is None:
         mask = causal_mask(tq, tk, q.device)
+    if tk > VEC16_MAX_KEYS and (point["exp"] == "vec16_fexp_u20" or point["row_sum"] == "vec16_tree_tail"):
+        raise ValueError(f"attention_ref: {tk} keys; the vec16 options model torch's CPU flash attention for up to "
+                         f"{VEC16_MAX_KEYS} keys (one block of its online softmax), not longer rows")
     g = hq // hk
     qh = q.float().transpose(0, 1)  # [Hq, Tq, D]
     kh = k.float().repeat_interleave(g, 1).permute(1, 2, 0)  # [Hq, D, Tk]

@@ -18,6 +18,13 @@ from ...names import ENGINE_MODES, check_mode_name
 from ..base import Adapter, EngineInfo, EngineNotInstalled, RegionImpl, Unavailable
 
 MODES = ENGINE_MODES["sglang"]
+# Attention probe cases on top of the standard ones, where torch's CPU flash attention has choices the
+# standard cases leave tied: long flat rows with head dims 128 and 96 (softmax scales that are not powers
+# of two: where the scale multiplies) and many short rows of many heads (the row sum's order: rows of
+# fewer than 16 keys are summed in order, longer ones lane-wise, which shows in an output bit rarely).
+ATTENTION_CASES = (("decode", 1, 511, 8, 2, 128, 0.5), ("chunk", 3, 400, 8, 2, 128, 0.5),
+                   ("chunk", 40, 480, 8, 2, 128, 0.5), ("decode", 1, 257, 8, 2, 96, 0.5),
+                   ("prefill", 15, 15, 128, 8, 256, 0.3), ("prefill", 24, 24, 64, 8, 256, 1.0))
 INSTALL_HINT = "scripts/engine_env.sh sglang 0.5.23"
 
 
@@ -136,3 +143,54 @@ class SglangAdapter(Adapter):
             "add_rmsnorm": RegionImpl(add_rmsnorm, f"sglang RMSNorm with residual ({how})"),
             "rmsnorm": RegionImpl(rmsnorm, f"sglang RMSNorm ({how})"),
         }
+
+    def attention_cases(self) -> tuple[tuple, ...]:
+        return ATTENTION_CASES
+
+    def attention(self) -> RegionImpl | Unavailable:
+        """The attention SGLang's CPU engine runs on a host without AMX: its ``torch_native`` backend
+        (``intel_amx`` needs AMX and the sgl_kernel CPU build; SGLang falls back by itself), called
+        the way the backend calls it: K/V in a token pool gathered through ``req_to_token``,
+        ``_run_sdpa_forward_extend`` for a prefill (queries after a cached prefix when Tq < Tk) and
+        ``_run_sdpa_forward_decode`` for one query, GQA through ``enable_gqa``."""
+        if self.device != "cpu":
+            return Unavailable(f"attention is probed op-level on CPU only (device {self.device})")
+        if self.mode != "default":
+            return Unavailable("attention is probed in the default mode (the compiled mode compiles the layers, "
+                               "not the attention backend)")
+        try:
+            from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+        except ImportError as e:  # pragma: no cover - another SGLang layout
+            return Unavailable(f"SGLang's torch_native attention backend is not importable here ({e})")
+        backend = object.__new__(TorchNativeAttnBackend)  # its sdpa helpers read no state but the arguments
+
+        def attention(q, k, v, *, scale):
+            tq, hq, d = q.shape
+            tk, hk, _ = k.shape
+            out = torch.empty(tq, hq, v.shape[-1], dtype=q.dtype)
+            pool = 3  # the pool's token slots: the sequence's tokens after a few unused ones, as in the engine
+            k_cache = torch.zeros(pool + tk, hk, d, dtype=k.dtype)
+            v_cache = torch.zeros(pool + tk, hk, v.shape[-1], dtype=v.dtype)
+            k_cache[pool:], v_cache[pool:] = k, v
+            req_to_token = torch.arange(pool, pool + tk, dtype=torch.int64)[None]
+            args = dict(k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token,
+                        req_pool_indices=torch.zeros(1, dtype=torch.int64),
+                        seq_lens=torch.tensor([tk], dtype=torch.int64), scaling=float(scale), enable_gqa=hq != hk,
+                        causal=True)
+            with torch.no_grad():
+                if tq == 1:
+                    backend._run_sdpa_forward_decode(q.contiguous(), out, **dict(args, causal=False))
+                else:
+                    backend._run_sdpa_forward_extend(
+                        q.contiguous(), out, extend_prefix_lens=torch.tensor([tk - tq], dtype=torch.int64),
+                        extend_seq_lens=torch.tensor([tq], dtype=torch.int64), **args)
+            return out
+
+        return RegionImpl(
+            attention,
+            "sglang torch_native attention backend (TorchNativeAttnBackend._run_sdpa_forward_extend / _decode: "
+            f"torch.nn.functional.scaled_dot_product_attention on CPU, torch {torch.__version__}, "
+            f"{torch.backends.cpu.get_cpu_capability()})",
+            [f"called outside the engine with the backend's own helpers, {torch.get_num_threads()} threads; the "
+             "engine's default on a CPU without AMX (intel_amx falls back to torch_native)"],
+        )
