@@ -97,3 +97,23 @@ def as_schema_version(data: dict, version: int) -> dict:
     if version == 1:
         data.pop("attention", None)
     return data
+
+
+def assert_as_the_tool_wrote_it(path, profile) -> None:
+    """``path`` holds what the tool writes for ``profile``: its own bytes when it is of the current
+    schema version. A file written under an older version (shipped profiles keep the version of the
+    probe run that wrote them) loads through the migration: the dump then differs from the file only
+    in what the migration adds (the version number, and evidence scope), and round-trips to itself."""
+    import yaml
+
+    from engineprofiles.schema import SCHEMA_VERSION, profile_from_yaml
+
+    text = Path(path).read_text(encoding="utf-8")
+    dumped = profile.to_yaml()
+    if yaml.safe_load(text)["schema_version"] == SCHEMA_VERSION:
+        assert dumped == text, f"{path} is not what the tool writes for it"
+        return
+    assert profile_from_yaml(dumped).to_yaml() == dumped
+    added = [ln for ln in dumped.splitlines() if ln not in text.splitlines()]
+    assert added and all(ln.startswith("schema_version:") or ln.strip() == "scope: whole-model" for ln in added), (
+        path, added)

@@ -17,6 +17,8 @@ from engineprofiles.diff import diff_profiles
 from engineprofiles.schema import Profile, load_profile
 from engineprofiles.store import get_profile, shipped_profiles
 
+from ..conftest import assert_as_the_tool_wrote_it
+
 REPO = Path(__file__).resolve().parents[2]
 REAL = [
     ("vllm", "0.32.0", "vllm-0.32.0-cpu-inductor-bfloat16"),
@@ -87,4 +89,4 @@ def test_every_shipped_profile_is_valid_and_came_from_a_probe_run():
         # Written by a probe run: scripts/probe.sh, or probe-engine itself (the in-situ fits).
         assert p.provenance.command.startswith(("scripts/probe.sh ", "probe-engine ")), (name, p.provenance.command)
         assert p.provenance.method in ("op-level", "in-situ")
-        assert (REPO / "profiles" / f"{name}.yaml").read_text() == p.to_yaml()  # written by the tool
+        assert_as_the_tool_wrote_it(REPO / "profiles" / f"{name}.yaml", p)  # written by the tool
