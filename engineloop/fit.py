@@ -9,6 +9,7 @@ q and k as they enter attention (after RoPE) at every layer, and the final hidde
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,24 @@ def _register(state: dict[str, Any]) -> None:
     ALL_ATTENTION_FUNCTIONS.register(CAPTURE_IMPL, teacher)
 
 
+@contextmanager
+def attention_implementation(model, name: str):
+    """While inside, every config object the model's modules read (usually one, shared) names HF
+    attention implementation ``name``; each gets its own setting back afterwards. Yields the
+    model's own setting (what a wrapping implementation should call)."""
+    configs = {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in model.modules()]
+               if c is not None and hasattr(c, "_attn_implementation")}
+    old = {k: c._attn_implementation for k, c in configs.items()}
+    own = model.config._attn_implementation
+    try:
+        for c in configs.values():
+            c._attn_implementation = name
+        yield own
+    finally:
+        for k, c in configs.items():
+            c._attn_implementation = old[k]
+
+
 def teacher_forced_logprobs(model, seq: dict[str, Any]) -> torch.Tensor:
     """Log-probs of every next token with the engine's attention outputs forced in."""
     _, _, logits = teacher_forced(model, seq, with_logits=True)
@@ -71,22 +90,13 @@ def teacher_forced(model, seq: dict[str, Any], with_logits: bool = False):
     """Trainer q/k per layer (as they enter attention) and final hidden states, teacher-forced."""
     state: dict[str, Any] = {"layer": 0, "qk": [], "engine_out": [lay["out"] for lay in seq["layers"]]}
     _register(state)
-    # Every config object the model's modules read (usually one, shared) uses the teacher for
-    # this forward and gets its own setting back afterwards.
-    configs = {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in model.modules()]
-               if c is not None and hasattr(c, "_attn_implementation")}
-    old = {k: c._attn_implementation for k, c in configs.items()}
     hidden: list[torch.Tensor] = []
     h = model.model.norm.register_forward_hook(lambda m, a, o: hidden.append(o[0] if isinstance(o, tuple) else o))
     try:
-        for c in configs.values():
-            c._attn_implementation = CAPTURE_IMPL
         ids = torch.tensor(seq["prompt"] + seq["completion"]).unsqueeze(0)
-        with torch.no_grad():
+        with attention_implementation(model, CAPTURE_IMPL), torch.no_grad():
             logits = model(input_ids=ids).logits[0]
     finally:
-        for k, c in configs.items():
-            c._attn_implementation = old[k]
         h.remove()
     if with_logits:
         return state["qk"], hidden[0][0], logits

@@ -33,6 +33,8 @@ from engineprofiles.errors import EngineProfilesError
 from engineprofiles.regions import ATTENTION_SPEC, REGIONS, Point
 from engineprofiles.schema import Profile, make_profile
 
+from .fit import attention_implementation
+
 LAYER_TENSORS = ("residual", "in_norm", "q", "k", "v", "attn_out", "post_norm", "mlp_out")
 MODULE_TENSORS = ("residual", "in_norm", "post_norm", "mlp_out")  # observable in an eager engine only
 
@@ -122,31 +124,24 @@ def tracing(model) -> Iterator[dict[str, torch.Tensor]]:
         return out
 
     ALL_ATTENTION_FUNCTIONS.register(TRACE_IMPL, traced)
-    configs = {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in model.modules()]
-               if c is not None and hasattr(c, "_attn_implementation")}
-    old = {k: c._attn_implementation for k, c in configs.items()}
-    state["impl"] = model.config._attn_implementation
     try:
-        for c in configs.values():
-            c._attn_implementation = TRACE_IMPL
-        F.attention = traced_exact
-        yield rec
+        with attention_implementation(model, TRACE_IMPL) as own:
+            state["impl"] = own
+            F.attention = traced_exact
+            yield rec
     finally:
         F.attention = orig_attention
-        for k, c in configs.items():
-            c._attn_implementation = old[k]
         for h in hooks:
             h.remove()
 
 
 def trainer_tensors(model, seq: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The trainer's tensors of one captured sequence (prompt + completion, one forward)."""
-    ids = torch.tensor(seq["prompt"] + seq["completion"]).unsqueeze(0)
-    with tracing(model) as rec, torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
-    rec = dict(rec)
-    rec["logprobs"] = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:].unsqueeze(-1))[:, 0]
-    return rec
+    from .mismatch import sequence_logprobs
+
+    with tracing(model) as rec:
+        _, logprobs = sequence_logprobs(model, seq)
+    return dict(rec, logprobs=logprobs)
 
 
 def engine_tensors(seq: dict[str, Any]) -> dict[str, torch.Tensor]:

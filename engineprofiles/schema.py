@@ -322,20 +322,20 @@ def migrate(data: dict[str, Any], source: str = "<profile>") -> dict[str, Any]:
                 "attention": {"sites": None, "evidence": {"status": "unavailable", "reason": V1_ATTENTION_REASON}}}
         version = 2
     if version == 2:
-        for name, entry in (data.get("regions") or {}).items() if isinstance(data.get("regions"), dict) else ():
-            ev = entry.get("evidence") if isinstance(entry, dict) else None
-            if isinstance(ev, dict) and "scope" in ev:
-                raise ProfileError(f"schema version 2 has no evidence scope (it came with version 3); set schema_version: "
-                                   "3 or remove it", source=source, field=f"regions.{name}.evidence.scope")
-        prov = data.get("provenance")
-        if isinstance(prov, dict) and prov.get("method") == "in-situ" and isinstance(data.get("regions"), dict):
-            regions = {}
-            for name, entry in data["regions"].items():
+        regions = data.get("regions")
+        in_situ = isinstance(data.get("provenance"), dict) and data["provenance"].get("method") == "in-situ"
+        if isinstance(regions, dict):
+            migrated = {}
+            for name, entry in regions.items():
                 ev = entry.get("evidence") if isinstance(entry, dict) else None
-                if isinstance(ev, dict) and ev.get("status", "measured") == "measured":
+                if isinstance(ev, dict) and "scope" in ev:
+                    raise ProfileError(f"schema version 2 has no evidence scope (it came with version 3); set "
+                                       "schema_version: 3 or remove it", source=source,
+                                       field=f"regions.{name}.evidence.scope")
+                if in_situ and isinstance(ev, dict) and ev.get("status", "measured") == "measured":
                     entry = {**entry, "evidence": {**ev, "scope": "whole-model"}}
-                regions[name] = entry
-            data = {**data, "regions": regions}
+                migrated[name] = entry
+            data = {**data, "regions": migrated}
         data = {**data, "schema_version": 3}
     return data
 

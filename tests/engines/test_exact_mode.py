@@ -18,13 +18,14 @@ import os
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 
 from engineprofiles.store import get_profile
 
-REPO = Path(__file__).resolve().parents[2]
+from .envs import require_env
+
+from .envs import REPO
 VERSION = "0.32.0"
 CASES = [("qwen2", "default"), ("qwen3", "default"), ("llama", "default"), ("qwen3", "eager")]
 
@@ -32,10 +33,7 @@ CASES = [("qwen2", "default"), ("qwen3", "default"), ("llama", "default"), ("qwe
 @pytest.mark.engine
 @pytest.mark.parametrize("family,mode", CASES, ids=[f"{f}-{m}" for f, m in CASES])
 def test_exact_mode_reproduces_the_engines_log_probs(family, mode, tmp_path):
-    env = REPO / ".engines" / f"vllm-{VERSION}"
-    if not (env / ".ready").exists():
-        pytest.fail(f"the vllm {VERSION} environment is missing: run `scripts/engine_env.sh vllm {VERSION}` "
-                    "(scripts/test.sh does this). Engine tests are not skipped.", pytrace=False)
+    require_env("vllm", VERSION)
     out = tmp_path / "m.json"
     r = subprocess.run(
         [sys.executable, "-m", "engineloop.cli", "mismatch", "vllm", "--family", family, "--mode", mode, "--exact",

@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -22,7 +21,9 @@ from engineloop.localize import tensor_names
 from engineloop.mismatch import default_profile_name
 from engineprofiles.store import get_profile
 
-REPO = Path(__file__).resolve().parents[2]
+from .envs import require_env
+
+from .envs import REPO
 VERSION = "0.32.0"
 
 
@@ -31,10 +32,7 @@ VERSION = "0.32.0"
 def test_localize_names_the_first_divergence_and_exact_mode_has_none(mode, tmp_path):
     import torch
 
-    env = REPO / ".engines" / f"vllm-{VERSION}"
-    if not (env / ".ready").exists():
-        pytest.fail(f"the vllm {VERSION} environment is missing: run `scripts/engine_env.sh vllm {VERSION}` "
-                    "(scripts/test.sh does this). Engine tests are not skipped.", pytrace=False)
+    require_env("vllm", VERSION)
     out = tmp_path / "loc.json"
     r = subprocess.run(
         [sys.executable, "-m", "engineloop.cli", "localize", "vllm", "--family", "qwen2", "--mode", mode,

@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,16 +20,15 @@ import torch
 from engineloop.mismatch import default_profile_name
 from engineprofiles.store import get_profile
 
-REPO = Path(__file__).resolve().parents[2]
+from .envs import require_env
+
+from .envs import REPO
 VERSION = "0.32.0"
 
 
 @pytest.mark.engine
 def test_rl_demo_updates_the_engine_and_exact_mode_tracks_it(tmp_path):
-    env = REPO / ".engines" / f"vllm-{VERSION}"
-    if not (env / ".ready").exists():
-        pytest.fail(f"the vllm {VERSION} environment is missing: run `scripts/engine_env.sh vllm {VERSION}` "
-                    "(scripts/test.sh does this). Engine tests are not skipped.", pytrace=False)
+    require_env("vllm", VERSION)
     out, png = tmp_path / "rl.json", tmp_path / "rl.png"
     r = subprocess.run([sys.executable, "scripts/rl_demo.py", "--steps", "2", "--lr", "1e-2", "--json", str(out),
                         "--plot", str(png)], cwd=REPO, capture_output=True, text=True, timeout=1200,
