@@ -139,7 +139,8 @@ def _full_modules(mods: dict[int, dict[str, list]], n_layers: int, n: int) -> li
     return out
 
 
-def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed: int, mode: str = "default") -> dict[str, Any]:
+def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed: int, mode: str = "default",
+                 batch_check: bool = False) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: apply_model reaches the live model
     # vLLM's CPU worker reserves most of the machine's memory for the KV cache by default; a tiny
     # model needs little (GiB).
@@ -153,11 +154,19 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
     kw: dict[str, Any] = {}
     if mode == "eager":
         kw["enforce_eager"] = True
+    if batch_check:
+        # The sampling below must compute every prompt again, not reuse the first sampling's cached
+        # prefix (a re-scoring with prompt log-probs never reads the cache): the capture's own requests
+        # never hit the cache, so this changes nothing else.
+        kw["enable_prefix_caching"] = False
+    # One sequence at a time; the batch check needs room for every sequence in one batch.
+    max_num_seqs = batch_slots(len(prompts)) if batch_check else 1
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", distributed_executor_backend="uni",
-              max_model_len=512, max_num_seqs=1, seed=seed, **kw)
+              max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs, seed=seed, **kw)
     _log(f"vLLM {vllm.__version__} engine up in {time.perf_counter() - t0:.1f}s")
 
-    state: dict[str, Any] = {"on": False, "attn": {}, "hidden": [], "backend": {}, "mods": {}}
+    state: dict[str, Any] = {"on": False, "attn": {}, "hidden": [], "backend": {}, "mods": {}, "count": False,
+                             "tokens": []}
 
     def install(model):
         attn_layers = [m for m in model.modules() if type(m).__name__ == "Attention" and hasattr(m, "impl")]
@@ -174,6 +183,8 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
 
             def wrapped(lyr, query, key, value, kv_cache, attn_metadata, output=None, *a, _i=i, _orig=orig, **k):
                 res = _orig(lyr, query, key, value, kv_cache, attn_metadata, output, *a, **k)
+                if state["count"] and _i == 0 and attn_metadata is not None:
+                    state["tokens"].append(int(query.shape[0]))  # tokens in this forward (the batch check)
                 if state["on"] and attn_metadata is not None:
                     if "isa" not in state["backend"] and getattr(lyr, "isa", None) is not None:
                         state["backend"]["isa"] = str(lyr.isa)
@@ -224,6 +235,9 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
                               prompt_logprobs=prompt_lp, layers=layers, hidden=hidden, sample_calls=sample_calls,
                               modules=modules))
         _log(f"sequence {j + 1}/{len(prompts)}: {len(prompt)} prompt + {len(completion)} sampled tokens")
+    batch = None
+    if batch_check:
+        batch = batch_check_vllm(llm, state, prompts, sequences, max_tokens, seed, max_num_seqs)
     cfg = llm.llm_engine.vllm_config.compilation_config
     return dict(
         engine=dict(name="vllm", version=str(vllm.__version__), torch_version=str(torch.__version__),
@@ -233,7 +247,112 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
                     attention=dict(state["backend"], torch_threads=torch.get_num_threads(),
                                    split_kv=bool(getattr(vllm.envs, "VLLM_CPU_ATTN_SPLIT_KV", False)))),
         model_dir=model_dir, sequences=sequences, seed=seed, seconds=time.perf_counter() - t0,
+        **({"batch_check": batch} if batch is not None else {}),
     )
+
+
+# -- Batch check -------------------------------------------------------------------------------------
+#
+# The same sequences scored by the same engine in other batch compositions: alone again (the control:
+# an engine must at least repeat itself), all together, all together in reverse order, each beside a
+# longer unrelated sequence; and the prompts decoded greedily, each alone (twice: the control) and all
+# together (decode batched). Greedy, because a seeded sampler need not be batch-independent (SGLang
+# honours per-request seeds only with --enable-deterministic-inference): an argmax is decided by the
+# logits alone. The capture records the engine's log-probs of each run and the tokens of every forward
+# it ran (so that the report shows the sequences really shared a forward);
+# engineloop.mismatch.batch_invariance compares them.
+
+MAX_MODEL_LEN = 512
+
+
+def batch_slots(n_prompts: int) -> int:
+    """Sequences the engine must run at once for the batch check: all prompts, or a pair."""
+    return max(2, n_prompts)
+
+
+def neighbour(length: int, vocab: int, seed: int) -> list[int]:
+    """The longer unrelated sequence a scored sequence is put beside (fits the engine's context)."""
+    import torch
+
+    n = min(2 * length + 7, MAX_MODEL_LEN - 2)
+    g = torch.Generator().manual_seed(seed + 7919)
+    return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+
+def batch_compositions(n: int) -> list[tuple[str, list[list[int]]]]:
+    """The prefill compositions, each a list of engine calls, each call a list of sequence indices
+    (-1: the unrelated neighbour)."""
+    return [("alone, again (control)", [[i] for i in range(n)]),
+            ("all together", [list(range(n))]),
+            ("all together, reversed", [list(range(n))[::-1]]),
+            ("beside a longer sequence", [[-1, i] for i in range(n)])]
+
+
+DECODE_REFERENCE = "decoded alone (greedy)"
+
+
+def batch_check(score, decode, forwards, prompts: list[list[int]], sequences: list[dict[str, Any]], vocab: int,
+                seed: int, slots: int) -> dict[str, Any]:
+    """The batch check with one engine's calls: ``score(seqs)`` returns each sequence's prompt log-probs
+    (positions 1..), ``decode(prompts)`` each prompt's greedy completion and its log-probs, both with
+    every sequence of one call in the engine at once; ``forwards()`` the tokens of each engine forward
+    since it was last asked."""
+    fulls = [s["prompt"] + s["completion"] for s in sequences]
+    forwards()
+    runs = []
+    for name, calls in batch_compositions(len(fulls)):
+        lps: dict[int, list[float]] = {}
+        for call in calls:
+            seqs = [fulls[i] if i >= 0 else neighbour(max(map(len, fulls)), vocab, seed) for i in call]
+            for i, lp in zip(call, score(seqs)):
+                if i >= 0:
+                    lps[i] = lp
+        tokens = forwards()
+        runs.append(dict(name=name, kind="prefill", calls=calls, logprobs=[lps[i] for i in range(len(fulls))],
+                         forward_tokens=tokens))
+        _log(f"batch check: {name}: forwards of {tokens} tokens")
+    alone = [[i] for i in range(len(prompts))]
+    for name, calls in ((DECODE_REFERENCE, alone), ("decoded alone, again (control)", alone),
+                        ("decoded together", [list(range(len(prompts)))])):
+        got: dict[int, tuple[list[int], list[float]]] = {}
+        for call in calls:
+            for i, res in zip(call, zip(*decode([prompts[i] for i in call]))):
+                got[i] = res
+        tokens = forwards()
+        runs.append(dict(name=name, kind="decode", calls=calls, completions=[got[i][0] for i in range(len(prompts))],
+                         logprobs=[got[i][1] for i in range(len(prompts))], forward_tokens=tokens,
+                         **({} if name == DECODE_REFERENCE else {"reference": DECODE_REFERENCE})))
+        _log(f"batch check: {name}: {len(tokens)} forwards")
+    return dict(max_num_seqs=slots, prefix_caching=False, runs=runs)
+
+
+def batch_check_vllm(llm, state: dict[str, Any], prompts: list[list[int]], sequences: list[dict[str, Any]],
+                     max_tokens: int, seed: int, slots: int) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    rp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    gp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True, detokenize=False)
+
+    def score(seqs):
+        res = llm.generate([{"prompt_token_ids": f} for f in seqs], rp, use_tqdm=False)
+        return [[d[tok].logprob for d, tok in zip(r.prompt_logprobs[1:], f[1:])] for f, r in zip(seqs, res)]
+
+    def decode(ps):
+        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in ps], gp, use_tqdm=False)]
+        return [list(o.token_ids) for o in outs], [[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
+                                                   for o in outs]
+
+    def forwards():
+        t = list(state["tokens"])
+        state["tokens"].clear()
+        return t
+
+    vocab = int(llm.llm_engine.vllm_config.model_config.get_vocab_size())
+    state.update(count=True, tokens=[])
+    try:
+        return batch_check(score, decode, forwards, prompts, sequences, vocab, seed, slots)
+    finally:
+        state["count"] = False
 
 
 # -- SGLang ----------------------------------------------------------------------------------------
@@ -323,7 +442,7 @@ def check_sgl_kernel_standin() -> str:
 
 
 def capture_sglang(model_dir: str, prompts: list[list[int]], max_tokens: int, seed: int, mode: str = "default",
-                   nccl_port: int | None = None) -> dict[str, Any]:
+                   nccl_port: int | None = None, batch_check: bool = False) -> dict[str, Any]:
     """The SGLang offline engine (``sglang.Engine``) on CPU, as it runs by default there; the same
     two requests per prompt as :func:`capture_vllm` (sample, then re-score prompt + completion with
     prompt log-probs). The radix (prefix) cache is off, so that the re-scoring prefill computes every
@@ -349,7 +468,9 @@ def capture_sglang(model_dir: str, prompts: list[list[int]], max_tokens: int, se
              dict(name="engineprofiles-hidden", target_modules=SGLANG_LOGITS_TARGETS,
                   hook_factory="engineloop.capture:sglang_logits_hook", config={"dir": folder})]
     kw: dict[str, Any] = dict(model_path=model_dir, device="cpu", skip_tokenizer_init=True, dtype="bfloat16",
-                              random_seed=seed, context_length=512, max_running_requests=1, disable_radix_cache=True,
+                              random_seed=seed, context_length=MAX_MODEL_LEN,
+                              max_running_requests=batch_slots(len(prompts)) if batch_check else 1,
+                              disable_radix_cache=True,
                               mem_fraction_static=0.05, forward_hooks=hooks, log_level="info")
     if nccl_port is not None:
         kw["nccl_port"] = nccl_port
@@ -400,6 +521,8 @@ def capture_sglang(model_dir: str, prompts: list[list[int]], max_tokens: int, se
             sequences.append(dict(prompt=prompt, completion=completion, sample_logprobs=sample_lp,
                                   prompt_logprobs=prompt_lp, layers=layers, hidden=hidden, sample_calls=sample_calls))
             _log(f"sequence {j + 1}/{len(prompts)}: {len(prompt)} prompt + {len(completion)} sampled tokens")
+        batch = batch_check_sglang(engine, folder, seen, prompts, sequences, max_tokens, seed, vocab) \
+            if batch_check else None
         sa = engine.server_args
     finally:
         engine.shutdown()
@@ -425,7 +548,28 @@ def capture_sglang(model_dir: str, prompts: list[list[int]], max_tokens: int, se
                                   disable_radix_cache=True, cpu_has_amx_support=bool(cpu_has_amx_support()),
                                   sgl_kernel=standin)),
         model_dir=model_dir, sequences=sequences, seed=seed, seconds=time.perf_counter() - t0,
+        **({"batch_check": batch} if batch is not None else {}),
     )
+
+
+def batch_check_sglang(engine, folder: str, seen: set[str], prompts: list[list[int]], sequences: list[dict[str, Any]],
+                       max_tokens: int, seed: int, vocab: int) -> dict[str, Any]:
+    """:func:`batch_check` with SGLang's offline engine (a list of inputs is one batch)."""
+    def score(seqs):
+        res = engine.generate(input_ids=seqs, sampling_params=[dict(max_new_tokens=1, temperature=0.0)] * len(seqs),
+                              return_logprob=True, logprob_start_len=0)
+        return [[float(lp) for lp, _, _ in r["meta_info"]["input_token_logprobs"][1:]] for r in res]
+
+    def decode(ps):
+        outs = engine.generate(input_ids=ps, sampling_params=[dict(max_new_tokens=max_tokens, temperature=0.0,
+                                                                   ignore_eos=True)] * len(ps), return_logprob=True)
+        return ([list(o["output_ids"]) for o in outs],
+                [[float(lp) for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs])
+
+    def forwards():
+        return [int(c["q"].shape[0]) for c in _read_calls(folder, seen) if c["kind"] == "attn" and c["layer"] == 0]
+
+    return batch_check(score, decode, forwards, prompts, sequences, vocab, seed, batch_slots(len(prompts)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -438,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=12, help="length of the first prompt (the others add 1..4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode", default="default", choices=["default", "eager"])
+    ap.add_argument("--batch-check", action="store_true",
+                    help="also score the sequences in other batch compositions (the engine runs several at once)")
     port = os.environ.get("ENGINEPROFILES_SGLANG_NCCL_PORT")
     ap.add_argument("--nccl-port", type=int, default=int(port) if port else None,
                     help="sglang: pin the engine's one TCP port (default: $ENGINEPROFILES_SGLANG_NCCL_PORT, else a free one)")
@@ -451,12 +597,12 @@ def main(argv: list[str] | None = None) -> int:
     ps = prompts_for(a.prompts, vocab, a.seed, a.prompt_len)
     if a.engine == "sglang":
         try:
-            data = capture_sglang(a.model, ps, a.max_tokens, a.seed, a.mode, a.nccl_port)
+            data = capture_sglang(a.model, ps, a.max_tokens, a.seed, a.mode, a.nccl_port, a.batch_check)
         except CaptureFailure as e:
             _log(f"error: {e.cause}: {e}")
             return 3
     else:
-        data = capture_vllm(a.model, ps, a.max_tokens, a.seed, a.mode)
+        data = capture_vllm(a.model, ps, a.max_tokens, a.seed, a.mode, a.batch_check)
     tmp = a.out + ".tmp"
     torch.save(data, tmp)
     os.replace(tmp, a.out)

@@ -359,10 +359,15 @@ def mismatch(
     heads: Optional[int] = typer.Option(None, help="tiny model size: attention heads (default 4)"),
     kv_heads: Optional[int] = typer.Option(None, help="tiny model size: key/value heads (default 2)"),
     head_dim: Optional[int] = typer.Option(None, help="tiny model size: head dim (default 64)"),
+    batch_check: bool = typer.Option(False, "--batch-check", help="also re-score the same sequences in other batch "
+                                     "compositions inside the engine (alone again, all together, reversed, beside a "
+                                     "longer sequence; the prompts sampled together) and report whether its log-probs "
+                                     "change with the batch (the engine then runs several sequences at once)"),
 ) -> None:
     """Sample with the real engine on a tiny local model, recompute the log-probs in the HF trainer
     as-is, with the profile, with each region of the profile alone and (--exact) in exact mode;
-    print the mismatch metrics (exact-match fraction first)."""
+    print the mismatch metrics (exact-match fraction first). --batch-check adds whether the engine's
+    own log-probs are batch-invariant."""
     import json
     import time
 
@@ -390,7 +395,7 @@ def mismatch(
     try:
         rep = run_mismatch(engine, family=family, profile=profile, prompts=prompts, max_tokens=max_tokens, seed=seed,
                            env=env, capture_file=capture, mode=mode, exact=exact, size=size, prompt_len=prompt_len,
-                           save_capture=save_capture,
+                           save_capture=save_capture, batch_check=batch_check,
                            note=lambda m: _say(err, f"  [{time.perf_counter() - t0:6.1f}s] {m}"))
     except EngineProfilesError as e:
         _fail(e)

@@ -56,12 +56,15 @@ class Report:
     # sampled token: the engine's decode computed them another way (e.g. vLLM's CPU attention
     # splitting long contexts across threads, VLLM_CPU_ATTN_SPLIT_KV).
     engine_decode_equals_prefill: float | None = None
+    # The engine against itself in other batch compositions (--batch-check): batch_invariance's result.
+    batch_check: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(engine=self.engine, family=self.family, profile=self.profile_name,
                     trainer_profile=self.trainer_profile_name, warnings=self.warnings, model=self.model,
                     prompt_len=self.prompt_len, command=self.command,
                     engine_decode_equals_prefill=self.engine_decode_equals_prefill,
+                    **({"batch_check": self.batch_check} if self.batch_check is not None else {}),
                     sampled=[dict(trainer=n, **m.as_dict()) for n, m in self.rows],
                     prefill=[dict(trainer=n, **m.as_dict()) for n, m in self.prefill_rows])
 
@@ -220,7 +223,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_tokens: int, seed: int,
                 env: str | None, note: Callable[[str], None], mode: str = "default",
-                prompt_len: int = 12) -> dict[str, Any]:
+                prompt_len: int = 12, batch_check: bool = False) -> dict[str, Any]:
     """Run ``python -m engineloop.capture`` in the engine's environment and load what it wrote.
 
     Its whole output goes to a log file (kept, and named in the error, when the run fails; removed
@@ -235,7 +238,7 @@ def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_to
     note(f"running {engine} from {py.parent.parent.name} on the tiny model (engine start-up takes minutes)")
     cmd = [str(py), "-m", "engineloop.capture", engine, "--model", str(model_dir), "--out", str(out),
            "--prompts", str(prompts), "--max-tokens", str(max_tokens), "--seed", str(seed), "--mode", mode,
-           "--prompt-len", str(prompt_len)]
+           "--prompt-len", str(prompt_len)] + (["--batch-check"] if batch_check else [])
     fd, name = tempfile.mkstemp(prefix=f"engineprofiles-{engine}-capture-", suffix=".log")
     log = Path(name)
     with os.fdopen(fd, "w") as lf:
@@ -276,7 +279,8 @@ def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_to
 def model_and_capture(engine: str, family: str, *, size: dict[str, int] | None, capture_file: str | None,
                       save_capture: str | None, prompts: int, max_tokens: int, seed: int, env: str | None,
                       workdir: str | None, note: Callable[[str], None], mode: str, prompt_len: int,
-                      what: str = "the mismatch run (the trainer side: HF models patched by the emulator)"):
+                      what: str = "the mismatch run (the trainer side: HF models patched by the emulator)",
+                      batch_check: bool = False):
     """The tiny trainer model and the engine's capture on the same weights: a capture file's (its
     recorded size and family checked against the options), or a new engine run (kept in
     ``save_capture``). What ``probe-engine mismatch`` and ``localize`` start from."""
@@ -307,6 +311,9 @@ def model_and_capture(engine: str, family: str, *, size: dict[str, int] | None, 
             size = dict(recorded)
         if cap.get("family", family) != family:
             raise EngineProfilesError(f"{capture_file} was captured on a {cap['family']} model, not {family}")
+        if batch_check and "batch_check" not in cap:
+            raise EngineProfilesError(f"{capture_file} holds no batch check: capture it with --batch-check "
+                                      "(probe-engine mismatch ... --batch-check --save-capture FILE)")
     model = tiny_model(family, seed=seed, **size).eval()
     if not capture_file:
         with tempfile.TemporaryDirectory() as tmp:
@@ -315,7 +322,7 @@ def model_and_capture(engine: str, family: str, *, size: dict[str, int] | None, 
             save_model(model, model_dir)
             cap = run_capture(engine, model_dir, wd / "capture.pt", prompts=prompts, max_tokens=max_tokens,
                               seed=seed, env=env, note=note, mode="eager" if mode == "eager" else "default",
-                              prompt_len=prompt_len)
+                              prompt_len=prompt_len, batch_check=batch_check)
             cap["model_size"], cap["family"] = size, family
             if workdir:
                 torch.save(cap, wd / "capture.pt")  # with the model's size, for --capture
@@ -361,13 +368,14 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                  max_tokens: int = 16, seed: int = 0, env: str | None = None, workdir: str | None = None,
                  capture_file: str | None = None, note: Callable[[str], None] = lambda m: None,
                  mode: str = "default", exact: bool = False, size: dict[str, int] | None = None,
-                 prompt_len: int = 12, save_capture: str | None = None) -> Report:
+                 prompt_len: int = 12, save_capture: str | None = None, batch_check: bool = False) -> Report:
     """``mode``: the engine's default (vLLM on CPU: compiled) or ``eager`` (enforce_eager).
     ``exact``: add the ``exact`` rows (apply_profile(..., exact=True)). ``size``: tiny_model
-    overrides (:data:`SIZE_FIELDS`); ``prompt_len``: length of the first prompt."""
+    overrides (:data:`SIZE_FIELDS`); ``prompt_len``: length of the first prompt. ``batch_check``:
+    the engine also scores the sequences in other batch compositions (:func:`batch_invariance`)."""
     model, cap = model_and_capture(engine, family, size=size, capture_file=capture_file, save_capture=save_capture,
                                    prompts=prompts, max_tokens=max_tokens, seed=seed, env=env, workdir=workdir,
-                                   note=note, mode=mode, prompt_len=prompt_len)
+                                   note=note, mode=mode, prompt_len=prompt_len, batch_check=batch_check)
     from emulator.patching import apply_profile
 
     eng = cap["engine"]
@@ -433,4 +441,70 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                 + (" (vLLM's CPU attention splits long decode contexts across threads with VLLM_CPU_ATTN_SPLIT_KV=1; "
                    "run the engine with VLLM_CPU_ATTN_SPLIT_KV=0 to make decode equal prefill)" if split else "")
                 + (f" ({why})" if why else ""))
+    if batch_check:
+        report.batch_check = batch_invariance(cap)
+        if not report.batch_check["batch_invariant"]:
+            bad = [r["composition"] for r in report.batch_check["rows"] if r["exact_match"] < 1.0 or r.get("diverged")]
+            split = eng.get("attention", {}).get("split_kv")
+            report.warnings.append(
+                f"the engine's log-probs change with the batch: {', '.join(bad)} differ from the same sequences scored "
+                "alone; no trainer can match every batch composition (see the batch check)"
+                + ("; vLLM's CPU attention splits decode contexts across threads by the batch's shape "
+                   "(VLLM_CPU_ATTN_SPLIT_KV=1): measured batch-invariant with VLLM_CPU_ATTN_SPLIT_KV=0 (docs/mismatch.md)"
+                   if split else ""))
     return report
+
+
+def _compare(ref: list[float], got: list[float]) -> tuple[int, int, float]:
+    """Tokens compared, tokens bit-equal, max |difference| of two log-prob lists of one sequence."""
+    a = torch.tensor(ref, dtype=torch.float64)
+    b = torch.tensor(got, dtype=torch.float64)
+    if a.shape != b.shape:
+        raise CaptureError(f"batch check: {len(got)} log-probs where the sequence has {len(ref)}")
+    d = (a - b).abs()
+    return a.numel(), int((a == b).sum()), float(d.max()) if d.numel() else 0.0
+
+
+def batch_invariance(cap: dict[str, Any]) -> dict[str, Any]:
+    """Whether the engine gives the same log-probs to the same sequences in other batch compositions.
+
+    Prefill runs are compared token for token with each sequence scored alone (the capture's own
+    prompt log-probs). A decode run (greedy) is compared with the run it names as its ``reference``
+    (the prompts decoded alone) on the tokens both decoded alike, up to the first that differs
+    (``diverged`` counts the sequences whose tokens went another way). ``batch_invariant``: every
+    compared log-prob bit-equal and no decoded sequence diverged. Each row keeps the tokens of every
+    engine forward of its run, which shows whether the sequences really shared a forward."""
+    bc = cap.get("batch_check")
+    if not isinstance(bc, dict) or not isinstance(bc.get("runs"), list) or not bc["runs"]:
+        raise CaptureError("the capture holds no batch check (capture with --batch-check)")
+    seqs = cap["sequences"]
+    by_name = {r["name"]: r for r in bc["runs"]}
+    rows = []
+    for run in bc["runs"]:
+        if run["kind"] == "decode" and "reference" not in run:
+            continue  # the reference of the decode runs
+        if len(run["logprobs"]) != len(seqs):
+            raise CaptureError(f"batch check: run {run['name']!r} holds {len(run['logprobs'])} sequences, the capture "
+                               f"{len(seqs)}")
+        n = eq = diverged = 0
+        worst = 0.0
+        for i, got in enumerate(run["logprobs"]):
+            if run["kind"] == "prefill":
+                ref = [float(x) for x in seqs[i]["prompt_logprobs"][1:]]
+            else:
+                base = by_name.get(run["reference"])
+                if base is None:
+                    raise CaptureError(f"batch check: run {run['name']!r} names a reference run {run['reference']!r} "
+                                       "the capture does not hold")
+                mine, theirs = run["completions"][i], base["completions"][i]
+                same = next((k for k, (x, y) in enumerate(zip(mine, theirs)) if x != y), min(len(mine), len(theirs)))
+                diverged += same < max(len(mine), len(theirs))
+                ref, got = [float(x) for x in base["logprobs"][i][:same]], got[:same]
+            k, e, m = _compare(ref, [float(x) for x in got])
+            n, eq, worst = n + k, eq + e, max(worst, m)
+        rows.append(dict(composition=run["name"], kind=run["kind"], tokens=n, equal=eq,
+                         exact_match=eq / n if n else 1.0, abs_dlogp_max=worst,
+                         requests_per_call=[len(c) for c in run["calls"]], forward_tokens=list(run["forward_tokens"]),
+                         **({"diverged": diverged, "reference": run["reference"]} if run["kind"] == "decode" else {})))
+    return dict(batch_invariant=all(r["equal"] == r["tokens"] and not r.get("diverged") for r in rows),
+                max_num_seqs=bc.get("max_num_seqs"), prefix_caching=bc.get("prefix_caching"), rows=rows)

@@ -43,7 +43,32 @@ def mismatch_table(rep) -> Group:
         parts.append(t)
     n = rep.rows[0][1].tokens if rep.rows else 0
     parts.append(Text(f"{n} sampled tokens"))
+    bc = getattr(rep, "batch_check", None)
+    if bc:
+        parts.append(batch_table(bc))
     return Group(*parts)
+
+
+def batch_table(bc: dict) -> Group:
+    """The batch check: the engine's log-probs of the same sequences in other batch compositions,
+    against each scored alone, and the verdict."""
+    t = Table(title="the engine against itself: the same sequences in other batch compositions (vs each alone)")
+    t.add_column("composition", min_width=18)
+    t.add_column("seqs/call", no_wrap=True)
+    t.add_column("tokens/forward", min_width=12, max_width=16, overflow="fold")
+    t.add_column("bit-equal", no_wrap=True)
+    t.add_column("|dlogp| max", no_wrap=True)
+    for r in bc["rows"]:
+        fw = r["forward_tokens"]
+        shown = " ".join(map(str, fw[:4])) + (f" ... ({len(fw)} forwards)" if len(fw) > 4 else "")
+        calls = sorted(set(r["requests_per_call"]))
+        eq = f"{r['equal']}/{r['tokens']}" + (f", {r['diverged']} diverged" if r.get("diverged") else "")
+        t.add_row(r["composition"] + (" (decode)" if r["kind"] == "decode" else ""), "/".join(map(str, calls)), shown,
+                  eq, f"{r['abs_dlogp_max']:.1e}")
+    ok = bc["batch_invariant"]
+    verdict = Text("engine batch-invariant: " + ("yes: every log-prob bit-equal in every composition" if ok else
+                   "NO: its log-probs change with the batch"), style="green bold" if ok else "red bold")
+    return Group(t, verdict)
 
 
 def check_plot_available(option: str = "--plot") -> None:
@@ -106,7 +131,8 @@ def load_mismatch(path: str):
                   warnings=[str(w) for w in data.get("warnings") or []], rows=rows("sampled"),
                   prefill_rows=rows("prefill"), model=data.get("model") if isinstance(data.get("model"), dict) else {},
                   prompt_len=data.get("prompt_len", 0), command=str(data.get("command", "")),
-                  engine_decode_equals_prefill=data.get("engine_decode_equals_prefill"))
+                  engine_decode_equals_prefill=data.get("engine_decode_equals_prefill"),
+                  batch_check=data.get("batch_check") if isinstance(data.get("batch_check"), dict) else None)
 
 
 def mismatch_plot(rep, path: str) -> None:

@@ -3,7 +3,10 @@
 # default compiled mode and enforce_eager, the tiny models and wider ones with longer prompts,
 # with the exact-mode rows; SGLang's CPU engine on the tiny models), write docs/data/*.json, then
 # regenerate docs/mismatch.md.
-# Takes ~15 minutes on a 2-core CPU (each run starts the engine). --wide-only: only the wider models.
+# Then the batch checks (--batch-check: the engine against itself in other batch compositions), short
+# and long prompts, vLLM with and without split-KV attention, SGLang: docs/data/batch-*.json.
+# Takes ~20 minutes on a 2-core CPU (each run starts the engine). --wide-only: only the wider models;
+# --batch-only: only the batch checks.
 set -euo pipefail
 REPO=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
@@ -17,6 +20,27 @@ run() {  # name, then probe-engine mismatch options
   ENGINEPROFILES_COMMAND="${PREFIX:-}probe-engine mismatch vllm --exact $*" \
     "$PY" -m engineloop.cli mismatch vllm --exact --json "$D/mismatch-vllm-$V-$name.json" "$@" >/dev/null
 }
+batch() {  # engine, name, then probe-engine mismatch options
+  local engine=$1 name=$2; shift 2
+  local ver=$V; [[ $engine == sglang ]] && ver=${SGLANG_VERSION:-0.5.23}
+  echo "== batch $name: ${PREFIX:-}probe-engine mismatch $engine --batch-check $*" >&2
+  ENGINEPROFILES_COMMAND="${PREFIX:-}probe-engine mismatch $engine --batch-check $*" \
+    "$PY" -m engineloop.cli mismatch "$engine" --batch-check --json "$D/batch-$engine-$ver-$name.json" "$@" >/dev/null
+}
+LONG=(--prompts 6 --prompt-len 150 --max-tokens 24)
+batch_all() {
+  batch vllm qwen2 --family qwen2
+  batch vllm qwen2-long --family qwen2 "${LONG[@]}"
+  VLLM_CPU_ATTN_SPLIT_KV=0 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " batch vllm qwen2-long-nosplit --family qwen2 "${LONG[@]}"
+  batch vllm qwen3-long-eager --family qwen3 --mode eager "${LONG[@]}"
+  batch sglang qwen2 --family qwen2
+  batch sglang qwen2-long --family qwen2 "${LONG[@]}"
+}
+if [[ "${1:-}" == --batch-only ]]; then
+  batch_all
+  "$PY" scripts/make_mismatch_docs.py
+  exit 0
+fi
 WIDE=(--layers 4 --hidden 512 --intermediate 1024 --prompt-len 200 --max-tokens 32)
 if [[ "${1:-}" != --wide-only ]]; then
   for f in qwen2 qwen3 llama; do
@@ -44,4 +68,5 @@ if [[ "${1:-}" != --wide-only ]]; then
       "$PY" -m engineloop.cli mismatch sglang --exact --family "$f" --json "$D/mismatch-sglang-$S-$f.json" >/dev/null
   done
 fi
+batch_all
 "$PY" scripts/make_mismatch_docs.py

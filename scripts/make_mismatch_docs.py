@@ -32,10 +32,51 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+BATCH_INTRO = """## Batch invariance: the engine against itself
+
+`probe-engine mismatch ENGINE --batch-check` has the engine score the same sequences again in other
+batch compositions (alone again, all together, reversed, each beside a longer unrelated sequence; the
+prompts decoded greedily alone, alone again and all together) and compares each log-prob bitwise with
+the same sequence alone. A trainer scores a sequence one way; where the engine's numbers change with
+the batch, no trainer can match every rollout. "tokens/forward" shows that the sequences really shared
+an engine forward. The control rows (alone, again) show the engine repeats itself."""
+
+
+def batch_section(files: list[Path]) -> list[str]:
+    parts = [BATCH_INTRO, ""]
+    for f in files:
+        d = json.loads(f.read_text())
+        e, bc, m = d["engine"], d["batch_check"], d.get("model") or {}
+        att = e.get("attention") or {}
+        cmd = d.get("command") or f"probe-engine mismatch {e['name']} --batch-check"
+        verdict = "**batch-invariant**" if bc["batch_invariant"] else "**not batch-invariant**"
+        parts += [f"### {e['name']} {e['version']} (mode {e.get('mode', 'default')}, split-KV {att.get('split_kv', '?')}), "
+                  f"family {d['family']}, first prompt {d.get('prompt_len', '?')} tokens: {verdict}", "",
+                  f"Command: `{cmd}`. CPU capability {e.get('cpu_capability', '?')}, attention "
+                  f"{att.get('backend', '?')}, split-KV {att.get('split_kv', '?')}, {att.get('torch_threads', '?')} "
+                  f"threads; first prompt {d.get('prompt_len', '?')} tokens; up to {bc.get('max_num_seqs')} sequences "
+                  "at once, prefix caching off.", "",
+                  "| composition | kind | sequences per call | tokens per forward | bit-equal | \\|Δlogp\\| max |",
+                  "|---|---|---|---|---|---|"]
+        for r in bc["rows"]:
+            fw = r["forward_tokens"]
+            shown = " ".join(map(str, fw[:4])) + (f" ... ({len(fw)} forwards)" if len(fw) > 4 else "")
+            eq = f"{r['equal']}/{r['tokens']}" + (f", {r['diverged']} diverged" if r.get("diverged") else "")
+            kind = "decode (greedy)" if r["kind"] == "decode" else "prefill"
+            parts.append(f"| {r['composition']} | {kind} | {'/'.join(map(str, sorted(set(r['requests_per_call']))))} | {shown} | {eq} | "
+                         f"{r['abs_dlogp_max']:.2e} |")
+        parts.append("")
+    return parts
+
+
 def main() -> None:
     files = sorted((REPO / "docs" / "data").glob("mismatch-*.json"))
     intro = (REPO / "docs" / "mismatch-intro.md").read_text()
     parts = [intro.rstrip(), ""]
+    # each engine's runs, the shortest name (the default run) first
+    batch = sorted((REPO / "docs" / "data").glob("batch-*.json"), key=lambda f: (f.stem.split("-")[1], len(f.stem), f.stem))
+    if batch:
+        parts += batch_section(batch)
     for f in files:
         d = json.loads(f.read_text())
         e = d["engine"]
