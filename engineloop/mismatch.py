@@ -76,14 +76,22 @@ def trainer_profile_name() -> str:
 
 
 def default_profile_name(engine: str, version: str, mode: str = "default") -> str:
-    """The shipped profile of the engine in ``mode``: the one probed on this CPU's capability where
-    there is one (AVX512's names carry no capability), and of those the in-situ one (in situ wins)."""
-    execution = "inductor" if engine == "vllm" and mode != "eager" else "eager"
-    name = f"{engine}-{version}-cpu-{execution}-bfloat16"
-    here = torch.backends.cpu.get_cpu_capability()
-    shipped = shipped_names()
-    suffixes = ([f"-insitu-{here.lower()}", f"-{here.lower()}"] if here != "AVX512" else []) + ["-insitu", ""]
-    return next((name + s for s in suffixes if name + s in shipped), name)
+    """The shipped profile of ``engine`` ``version`` in ``mode`` (BF16, CPU), chosen by the rule
+    ``apply_profile(model, "ENGINE==VERSION:MODE")`` uses (engineprofiles.select): this CPU's
+    capability first, then in situ over op-level. Its own warnings are not raised here (the run
+    says what does not fit: :func:`engine_profile`); with no shipped profile of that version and
+    mode, the name such a profile would have (the caller says it is missing)."""
+    from engineprofiles.errors import ProfileNotFound
+    from engineprofiles.select import Wanted, select
+    from engineprofiles import store
+
+    wanted = Wanted(engine=engine, version=version, mode=mode, dtype="bfloat16", device="cpu",
+                    capability=torch.backends.cpu.get_cpu_capability())
+    try:
+        return select([c for _, c in store.candidates()[0]], wanted).name
+    except ProfileNotFound:
+        execution = "inductor" if engine == "vllm" and mode != "eager" else "eager"
+        return f"{engine}-{version}-cpu-{execution}-bfloat16"
 
 
 def combine(base: Profile, other: Profile, regions: tuple[str, ...]) -> Profile:

@@ -142,10 +142,23 @@ def test_a_capture_without_what_the_fit_needs_or_with_a_path_for_a_version_is_re
      "vllm-0.32.0-cpu-inductor-bfloat16-insitu"),  # none for AVX2: the AVX512 one (a capability warning follows)
     ("AVX2", ["vllm-0.32.0-cpu-inductor-bfloat16-avx2", "vllm-0.32.0-cpu-inductor-bfloat16-insitu"],
      "vllm-0.32.0-cpu-inductor-bfloat16-avx2"),  # this capability's comes before in situ
+    ("AVX512", ["vllm-0.28.0-cpu-inductor-bfloat16-insitu", "vllm-0.32.0-cpu-eager-bfloat16"],
+     "vllm-0.32.0-cpu-inductor-bfloat16"),  # none of this version and mode: the name it would have
 ])
 def test_the_default_profile_of_a_run_is_this_capabilitys(monkeypatch, here, shipped, want):
+    """The rule of apply_profile(model, "vllm==0.32.0") (engineprofiles.select), over candidates
+    described by name: version, mode, capability (no suffix: AVX512) and method."""
     from engineloop import mismatch
+    from engineprofiles import store
+    from engineprofiles.select import Candidate
+
+    def candidate(name: str) -> Candidate:
+        _, version, backend, mode, dtype, *rest = name.split("-")
+        cap = next((r.upper() for r in rest if r != "insitu"), "AVX512")
+        return Candidate(name=name, engine="vllm", version=version, mode=mode, dtype=dtype, backend=backend,
+                         capability=cap, method="in-situ" if "insitu" in rest else "op-level",
+                         date="2026-12-04T00:00:00Z")
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: here)
-    monkeypatch.setattr(mismatch, "shipped_names", lambda: shipped)
+    monkeypatch.setattr(store, "candidates", lambda: ([(None, candidate(n)) for n in shipped], []))
     assert mismatch.default_profile_name("vllm", "0.32.0") == want
