@@ -16,7 +16,7 @@ _PATCHING = ("apply_profile", "PatchHandle", "handle_of", "apply_recorded_profil
              "patch_family", "ClassPatch")
 
 __all__ = [
-    "functional", *_PATCHING, "patch_qwen2", "patch_qwen3", "patch_llama",
+    "functional", *_PATCHING, "patch_qwen2", "patch_qwen3", "patch_llama", "patch_mistral",
     "EmulatorError", "RegionUnavailable", "ProfileMismatch", "BackendError", "InputError",
 ]
 

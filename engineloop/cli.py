@@ -13,6 +13,7 @@ from rich.text import Text
 
 from engineprofiles import __version__
 from engineprofiles.errors import EngineProfilesError
+from engineprofiles.names import FAMILY_NAMES
 
 # render and store (and through them torch) are imported inside the commands that use them, so
 # that `probe-engine vllm` starts and hands over to the engine's environment without loading torch
@@ -338,7 +339,7 @@ def _report_check(outcomes: list, engine: str, version: str, installed: Optional
 @app.command()
 def mismatch(
     engine: str = typer.Argument("vllm", help="engine that samples: vllm or sglang"),
-    family: str = typer.Option("qwen2", help="tiny model family: qwen2, qwen3, llama"),
+    family: str = typer.Option("qwen2", help=f"tiny model family: {', '.join(FAMILY_NAMES)}"),
     profile: Optional[str] = typer.Option(None, help="profile to apply (default: the shipped one of the engine)"),
     prompts: int = typer.Option(4, help="number of prompts"),
     max_tokens: int = typer.Option(16, help="tokens sampled per prompt"),
@@ -448,7 +449,7 @@ def _check_loop_options(family, size, capture, save_capture, prompts, max_tokens
 @app.command()
 def localize(
     engine: str = typer.Argument("vllm", help="engine to compare with: vllm"),
-    family: str = typer.Option("qwen2", help="tiny model family: qwen2, qwen3, llama"),
+    family: str = typer.Option("qwen2", help=f"tiny model family: {', '.join(FAMILY_NAMES)}"),
     trainer: list[str] = typer.Option(["as-is", "profile"], help="trainer(s) to localize: as-is (unpatched), profile "
                                       "(the engine's profile applied), exact (exact=True); repeat the option for several"),
     profile: Optional[str] = typer.Option(None, help="the engine's profile (default: its shipped one for the capture's "
@@ -767,7 +768,7 @@ def _engine_command(engine: str):
             "the in-situ fit)",
         ),
         family: Optional[list[str]] = typer.Option(
-            None, help="in situ: tiny model family (qwen2, qwen3, llama), repeatable: one profile is fitted to all; "
+            None, help=f"in situ: tiny model family ({', '.join(FAMILY_NAMES)}), repeatable: one profile is fitted to all; "
             "default qwen3 (its q/k norms exercise every site)"),
         capture: Optional[list[str]] = typer.Option(None, help="in situ: reuse capture files (one per --family, in order)"),
         prompts: int = typer.Option(4, help="in situ: number of sequences"),
@@ -818,7 +819,7 @@ def _register_engines() -> None:
         seed: int = typer.Option(0, help="seed of the probe inputs"),
         quick: bool = typer.Option(False, help="fewer shapes (for smoke tests)"),
         region: Optional[list[str]] = typer.Option(None, help="probe only this region (repeatable)"),
-        family: str = typer.Option("qwen2", help="model family whose modules are probed: qwen2, qwen3, llama"),
+        family: str = typer.Option("qwen2", help=f"model family whose modules are probed: {', '.join(FAMILY_NAMES)}"),
         print_yaml: bool = typer.Option(False, "--yaml", help="also print the YAML"),
         apply: Optional[str] = typer.Option(
             None, "--apply", help="probe a tiny --family model patched with this profile (emulator.apply_profile)"

@@ -31,7 +31,10 @@ DEFAULTS: dict[str, Any] = dict(
     max_position_embeddings=40960,
 )
 
-ROPE_THETA = {"qwen2": 1000000.0, "qwen3": 1000000.0, "llama": 500000.0}
+ROPE_THETA = {"qwen2": 1000000.0, "qwen3": 1000000.0, "llama": 500000.0, "mistral": 1000000.0}
+# Config fields a family's tiny model sets beyond DEFAULTS: Mistral's config defaults to a 4096-token
+# sliding window (Mistral-7B-v0.1); later Mistral checkpoints have none, and the tiny model neither.
+FAMILY_FIELDS: dict[str, dict[str, Any]] = {"mistral": dict(sliding_window=None)}
 
 # Qwen2.5-0.5B's widths (its real config), for benchmarks.
 QWEN25_05B_WIDTHS: dict[str, Any] = dict(
@@ -54,6 +57,10 @@ def _config_class(family: str):
         from transformers import LlamaConfig
 
         return LlamaConfig
+    if family == "mistral":
+        from transformers import MistralConfig
+
+        return MistralConfig
     raise AssertionError(family)  # pragma: no cover - FAMILIES and the branches above agree
 
 
@@ -63,6 +70,7 @@ def tiny_config(family: str = "qwen2", *, attn_implementation: str = "sdpa", **o
     kw = dict(DEFAULTS)
     kw["rope_parameters"] = {"rope_type": "default", "rope_theta": ROPE_THETA[family]}
     kw.update(tie_word_embeddings=False, hidden_act="silu")
+    kw.update(FAMILY_FIELDS.get(family, {}))
     kw.update(overrides)
     cfg = C(**kw)
     cfg._attn_implementation = attn_implementation
@@ -91,7 +99,7 @@ def tiny_model(
     attn_implementation: str = "sdpa",
     **overrides: Any,
 ) -> Any:
-    """A causal LM of ``family`` (qwen2, qwen3, llama) with 2 decoder layers by default, its
+    """A causal LM of ``family`` (qwen2, qwen3, llama, mistral) with 2 decoder layers by default, its
     weights drawn from ``seed`` (see :func:`init_weights`), in ``dtype``, in eval mode.
 
     ``overrides`` replace config fields (``hidden_size``, ``num_hidden_layers``, ...)."""

@@ -14,7 +14,7 @@ from .errors import ArgumentError, PointError, UnsupportedDtype
 
 REGION_NAMES = ("rope", "swiglu", "add_rmsnorm", "rmsnorm")
 ACT_DTYPE_NAMES = ("bfloat16", "float16")
-FAMILY_NAMES = ("qwen2", "qwen3", "llama")
+FAMILY_NAMES = ("qwen2", "qwen3", "llama", "mistral")
 # The execution modes each engine's adapter runs (engineprofiles/probe/adapters/).
 ENGINE_MODES = {"vllm": ("default", "compiled", "eager"), "sglang": ("default", "compiled"), "transformers": ("default",)}
 # The execution mode a profile records (engine.execution_mode) for each mode of an engine, as the

@@ -43,7 +43,7 @@ if [[ "${1:-}" == --batch-only ]]; then
 fi
 WIDE=(--layers 4 --hidden 512 --intermediate 1024 --prompt-len 200 --max-tokens 32)
 if [[ "${1:-}" != --wide-only ]]; then
-  for f in qwen2 qwen3 llama; do
+  for f in qwen2 qwen3 llama mistral; do
     run "$f" --family "$f"
     run "$f-eager" --family "$f" --mode eager
   done

@@ -105,7 +105,7 @@ def _check_exact(model: torch.nn.Module, decoders: list[Decoder], profile: Profi
     for d in decoders:
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
-            if getattr(attn, "sliding_window", None):
+            if d.family.sliding_window(attn):
                 raise ExactModeUnavailable(f"{d.path}.layers.{i}.self_attn uses sliding-window attention, which exact "
                                            "mode does not reproduce (the attention lattice is causal, full window)")
             if float(getattr(attn, "attention_dropout", 0.0) or 0.0) != 0.0:

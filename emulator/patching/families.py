@@ -51,6 +51,16 @@ class Family:
     module: str
     prefix: str
     qk_norm: bool
+    # Where the attention reads its sliding window: its own ``sliding_window`` attribute (Qwen2, Qwen3;
+    # None on Llama), or the config (Mistral's attention passes ``config.sliding_window`` to HF's
+    # attention function, and its model builds the windowed mask from it).
+    window_in_config: bool = False
+
+    def sliding_window(self, attention: Any) -> Any:
+        """The sliding window the family's attention module uses (None: full causal attention)."""
+        if self.window_in_config:
+            return getattr(attention.config, "sliding_window", None)
+        return getattr(attention, "sliding_window", None)
 
     def classes(self) -> dict[str, Any]:
         m = importlib.import_module(self.module)
@@ -83,6 +93,8 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", "Qwen2, Qwen2.5", "transformers.models.qwen2.modeling_qwen2", "Qwen2", qk_norm=False),
         Family("qwen3", "Qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3", qk_norm=True),
         Family("llama", "Llama", "transformers.models.llama.modeling_llama", "Llama", qk_norm=False),
+        Family("mistral", "Mistral", "transformers.models.mistral.modeling_mistral", "Mistral", qk_norm=False,
+               window_in_config=True),
     )
 }
 

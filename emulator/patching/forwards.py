@@ -17,6 +17,7 @@ from .. import functional as F
 from ..errors import ProfileMismatch, ResidualStreamLost
 from . import opaque
 from .carry import carry
+from .families import FAMILIES
 from .guard import checkpointing_message, refusal, refusal_as
 
 
@@ -75,6 +76,8 @@ def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Ca
     in exact mode (``exact``: the profile's attention point) the engine's attention. ``rope``: (theta,
     rotary_dim) of the patched rotary embedding, to recompute FP32 cos/sin that were cast on the way."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    window_of = FAMILIES[family].sliding_window
 
     refuse_implementation = refusal(
         f"{path}: a patched model compiles with HF's attention implementations "
@@ -135,7 +138,8 @@ def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Ca
                                          bool(is_causal), float(self.scaling))
             return opaque.linear(self.o_proj, out.reshape(*input_shape, -1).contiguous()), None
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
-        extra = {"sliding_window": self.sliding_window} if hasattr(self, "sliding_window") else {}
+        window = window_of(self)
+        extra = {"sliding_window": window} if hasattr(self, "sliding_window") or window is not None else {}
         out, weights = attention_interface(
             self, q, k, v, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,

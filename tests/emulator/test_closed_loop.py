@@ -15,7 +15,7 @@ from engineprofiles.regions import REGIONS
 from engineprofiles.schema import load_profile
 from engineprofiles.store import get_profile, shipped_names
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
 ENGINE_PROFILES = [n for n in shipped_names() if not n.startswith("transformers-")]
 cli = CliRunner()
 

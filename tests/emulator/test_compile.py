@@ -28,7 +28,7 @@ from engineprofiles.store import get_profile, shipped_names
 from .helpers import activations, assert_same_bits
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
 INSITU = "vllm-0.32.0-cpu-inductor-bfloat16-insitu"  # every region emulated, attention measured
 TRANSFORMERS_PROFILE = next(n for n in shipped_names() if n.startswith("transformers-"))  # every region native
 

@@ -16,7 +16,7 @@ from engineprofiles.models import tiny_inputs, tiny_model
 from .helpers import assert_same_bits, model_state
 from .test_patching import ALL_EMULATED, FP32_STREAM, fwd_bwd, profile_with
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
 INSITU = "vllm-0.32.0-cpu-inductor-bfloat16-insitu"
 
 

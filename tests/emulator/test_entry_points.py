@@ -22,7 +22,7 @@ from .test_patching import ALL_EMULATED, FAMILIES
 
 INSITU = "vllm-0.32.0-cpu-inductor-bfloat16-insitu"
 MODULES = {"qwen2": "transformers.models.qwen2.modeling_qwen2", "qwen3": "transformers.models.qwen3.modeling_qwen3",
-           "llama": "transformers.models.llama.modeling_llama"}
+           "llama": "transformers.models.llama.modeling_llama", "mistral": "transformers.models.mistral.modeling_mistral"}
 
 
 def logits(model, ids):
@@ -55,7 +55,7 @@ def test_a_class_patch_patches_every_model_of_its_family_built_afterwards(family
     plain = logits(saved, ids)
     saved.save_pretrained(tmp_path)
     mod = family_module(family)
-    prefix = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}[family]
+    prefix = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama", "mistral": "Mistral"}[family]
     base = getattr(mod, f"{prefix}PreTrainedModel")
     init = getattr(mod, f"{prefix}ForCausalLM").__dict__["__init__"]
     other = next(f for f in FAMILIES if f != family)
@@ -95,8 +95,8 @@ def test_a_class_patch_passes_its_options_and_raises_a_refusal_where_the_model_i
     assert not patch.active
     assert_same_bits(logits(model, ids), patched_logits("qwen3", ids, "sglang-0.5.23-cpu-eager-bfloat16"),
                      "skip_native=False gives the same forward")
-    with pytest.raises(UnsupportedModel, match="no model family 'mistral'"):
-        emulator.patch_family("mistral", INSITU)
+    with pytest.raises(UnsupportedModel, match="no model family 'gemma'"):
+        emulator.patch_family("gemma", INSITU)
 
 
 # -- the profile recorded in the config ------------------------------------------------------------

@@ -151,6 +151,10 @@ def test_apply_profile_exact_refuses_sliding_window_and_dropout():
     m.model.layers[1].self_attn.sliding_window = 8
     with pytest.raises(ExactModeUnavailable, match="sliding-window"):
         emulator.apply_profile(m, ENGINE, exact=True)
+    m = tiny_model("mistral", seed=0, sliding_window=8)  # Mistral's window is in its config, not its attention
+    assert not hasattr(m.model.layers[0].self_attn, "sliding_window")
+    with pytest.raises(ExactModeUnavailable, match="sliding-window"):
+        emulator.apply_profile(m, ENGINE, exact=True)
     m = tiny_model("llama", seed=0)
     m.model.layers[0].self_attn.attention_dropout = 0.1
     with pytest.raises(ExactModeUnavailable, match="dropout"):
@@ -184,7 +188,7 @@ def test_a_profile_from_another_cpu_capability_is_a_clear_warning(monkeypatch):
     h.remove()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "mistral"])
 def test_exact_mode_patches_attention_reverts_bit_for_bit_and_decodes_like_it_prefills(family):
     model = tiny_model(family, seed=1)
     ids = torch.randint(0, 256, (1, 13), generator=torch.Generator().manual_seed(2))

@@ -24,7 +24,7 @@ from engineprofiles.regions import REGIONS
 from .helpers import assert_same_bits
 from .test_patching import ALL_EMULATED, FP32_STREAM, ROOT, profile_with
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
 INSITU = "vllm-0.32.0-cpu-inductor-bfloat16-insitu"  # an FP32 residual stream: the cast hazard
 # Every hazard at once: an FP32 residual stream between layers, Qwen3's q/k norms handing FP32 to RoPE,
 # and RoPE with FP32 cos/sin (a cast of them would round them).

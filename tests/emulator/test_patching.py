@@ -29,7 +29,7 @@ from engineprofiles.store import get_profile, shipped_names
 from .helpers import assert_same_bits, assert_untouched, model_state
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
 ENGINE_PROFILES = [n for n in shipped_names() if not n.startswith("transformers-")]
 TRANSFORMERS_PROFILE = next(n for n in shipped_names() if n.startswith("transformers-"))
 ALL_EMULATED = "vllm-0.32.0-cpu-inductor-bfloat16"  # every region differs from HF's own
@@ -162,6 +162,37 @@ def engine_forward(model, ids, prof):
 
 
 FP32_STREAM = dict(**{"add_rmsnorm.residual_out": "fp32", "rmsnorm.output": "fp32"})
+
+
+def test_mistral_hands_its_configs_sliding_window_to_the_attention_function():
+    # Mistral's attention passes config.sliding_window to HF's attention function (flash attention
+    # windows by it; sdpa and eager by the mask the model builds); the patched attention must too.
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    seen = []
+
+    def recording(module, q, k, v, mask, **kw):
+        seen.append(kw.get("sliding_window"))
+        return sdpa_attention_forward(module, q, k, v, mask, **kw)
+
+    AttentionInterface.register("test_recording_window", recording)
+    AttentionMaskInterface.register("test_recording_window", sdpa_mask)  # the windowed mask, as for sdpa
+    model = tiny_model("mistral", seed=2, sliding_window=8, attn_implementation="test_recording_window")
+    ids = tiny_inputs(model, 20, batch=2, seed=4)
+    with torch.no_grad():
+        hf = model(ids).logits
+        assert seen and set(seen) == {8}
+        seen.clear()
+        with emulator.apply_profile(model, TRANSFORMERS_PROFILE, skip_native=False) as h:
+            assert "rope" in h.emulated  # the patched attention runs
+            patched = model(ids).logits
+        assert seen and set(seen) == {8}
+        model.config.sliding_window = None
+        full = model(ids).logits
+    assert_same_bits(patched, hf, "patched vs HF, sliding window 8")
+    assert not torch.equal(full, hf), "20 tokens and a window of 8: the window should change the logits"
 
 
 @pytest.mark.parametrize("profile", [*ENGINE_PROFILES, "fp32-residual-stream"])
@@ -416,15 +447,15 @@ def test_apply_profile_of_an_engine_name_takes_the_models_dtype(tmp_path, monkey
 
 
 def test_an_unsupported_model_is_refused_with_the_supported_families():
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import GemmaConfig, GemmaForCausalLM
 
-    cfg = MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                        num_attention_heads=2, num_key_value_heads=1, head_dim=32)
-    model = MistralForCausalLM(cfg).to(torch.bfloat16)
+    cfg = GemmaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    model = GemmaForCausalLM(cfg).to(torch.bfloat16)
     state = model_state(model)
     with pytest.raises(UnsupportedModel) as e:
         emulator.apply_profile(model, ALL_EMULATED)
-    for text in ("MistralForCausalLM", "qwen2", "Qwen2.5", "qwen3", "llama", "LlamaModel"):
+    for text in ("GemmaForCausalLM", "qwen2", "Qwen2.5", "qwen3", "llama", "LlamaModel", "mistral", "MistralModel"):
         assert text in str(e.value)
     assert_untouched(model, state)
     with pytest.raises(UnsupportedModel):

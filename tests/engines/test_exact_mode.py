@@ -27,7 +27,7 @@ from .envs import require_env
 
 from .envs import REPO
 VERSION = "0.32.0"
-CASES = [("qwen2", "default"), ("qwen3", "default"), ("llama", "default"), ("qwen3", "eager")]
+CASES = [("qwen2", "default"), ("qwen3", "default"), ("llama", "default"), ("mistral", "default"), ("qwen3", "eager")]
 
 
 @pytest.mark.engine
