@@ -364,6 +364,9 @@ def mismatch(
                                      "compositions inside the engine (alone again, all together, reversed, beside a "
                                      "longer sequence; the prompts sampled together) and report whether its log-probs "
                                      "change with the batch (the engine then runs several sequences at once)"),
+    rope_scaling: Optional[str] = typer.Option(
+        None, help="tiny model's RoPE scaling (its rope_parameters; default: none): llama3 (Llama 3.1's: factor 8, "
+        "low/high frequency factors 1/4, original context 8192) or linear (factor 3)"),
 ) -> None:
     """Sample with the real engine on a tiny local model, recompute the log-probs in the HF trainer
     as-is, with the profile, with each region of the profile alone and (--exact) in exact mode;
@@ -384,6 +387,10 @@ def mismatch(
     # Everything that can be checked is checked before the engine runs (minutes).
     try:
         _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out)
+        if rope_scaling is not None:
+            from engineprofiles.names import check_rope_scaling_name
+
+            check_rope_scaling_name(rope_scaling)
         if plot:
             runner.check_output_file(plot, "--plot")
             tables.check_plot_available()
@@ -396,7 +403,7 @@ def mismatch(
     try:
         rep = run_mismatch(engine, family=family, profile=profile, prompts=prompts, max_tokens=max_tokens, seed=seed,
                            env=env, capture_file=capture, mode=mode, exact=exact, size=size, prompt_len=prompt_len,
-                           save_capture=save_capture, batch_check=batch_check,
+                           save_capture=save_capture, batch_check=batch_check, rope_scaling=rope_scaling,
                            note=lambda m: _say(err, f"  [{time.perf_counter() - t0:6.1f}s] {m}"))
     except EngineProfilesError as e:
         _fail(e)

@@ -23,7 +23,7 @@ import torch
 
 from engineprofiles.errors import EngineProfilesError
 from engineprofiles.extras import require
-from engineprofiles.names import is_safe_name
+from engineprofiles.names import check_rope_scaling_name, is_safe_name
 from engineprofiles.metrics import Mismatch, mismatch
 from engineprofiles.models import FAMILIES
 from engineprofiles.regions import REGIONS
@@ -284,16 +284,28 @@ def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_to
     return load_capture(out)
 
 
+def model_fields(model: Any) -> dict[str, Any]:
+    """The tiny model's size (:data:`SIZE_FIELDS`) and, when its RoPE is scaled, its rope_parameters."""
+    out: dict[str, Any] = {k: getattr(model.config, k) for k in SIZE_FIELDS}
+    rope = dict(getattr(model.config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        out["rope_parameters"] = rope
+    return out
+
+
 def model_and_capture(engine: str, family: str, *, size: dict[str, int] | None, capture_file: str | None,
                       save_capture: str | None, prompts: int, max_tokens: int, seed: int, env: str | None,
                       workdir: str | None, note: Callable[[str], None], mode: str, prompt_len: int,
                       what: str = "the mismatch run (the trainer side: HF models patched by the emulator)",
-                      batch_check: bool = False):
+                      batch_check: bool = False, rope_scaling: str | None = None):
     """The tiny trainer model and the engine's capture on the same weights: a capture file's (its
-    recorded size and family checked against the options), or a new engine run (kept in
-    ``save_capture``). What ``probe-engine mismatch`` and ``localize`` start from."""
+    recorded size, family and RoPE scaling checked against the options), or a new engine run (kept in
+    ``save_capture``). What ``probe-engine mismatch`` and ``localize`` start from. ``rope_scaling``:
+    the tiny model's RoPE scaling (engineprofiles.models.ROPE_SCALINGS; None: default RoPE)."""
     if family not in FAMILIES:
         raise EngineProfilesError(f"unknown model family {family!r}; families: {', '.join(FAMILIES)}")
+    if rope_scaling is not None:
+        check_rope_scaling_name(rope_scaling)
     if mode not in ("default", "compiled", "eager"):
         raise EngineProfilesError(f"--mode must be default, compiled or eager; got {mode!r}")
     size = dict(size or {})
@@ -319,10 +331,13 @@ def model_and_capture(engine: str, family: str, *, size: dict[str, int] | None, 
             size = dict(recorded)
         if cap.get("family", family) != family:
             raise EngineProfilesError(f"{capture_file} was captured on a {cap['family']} model, not {family}")
+        if cap.get("rope_scaling") != rope_scaling:
+            got, want = (f"RoPE scaling {x}" if x else "default RoPE" for x in (cap.get("rope_scaling"), rope_scaling))
+            raise EngineProfilesError(f"{capture_file} was captured on a model with {got}, not {want}")
         if batch_check and "batch_check" not in cap:
             raise EngineProfilesError(f"{capture_file} holds no batch check: capture it with --batch-check "
                                       "(probe-engine mismatch ... --batch-check --save-capture FILE)")
-    model = tiny_model(family, seed=seed, **size).eval()
+    model = tiny_model(family, seed=seed, rope_scaling=rope_scaling, **size).eval()
     if not capture_file:
         with tempfile.TemporaryDirectory() as tmp:
             wd = Path(workdir or tmp)
@@ -331,7 +346,7 @@ def model_and_capture(engine: str, family: str, *, size: dict[str, int] | None, 
             cap = run_capture(engine, model_dir, wd / "capture.pt", prompts=prompts, max_tokens=max_tokens,
                               seed=seed, env=env, note=note, mode="eager" if mode == "eager" else "default",
                               prompt_len=prompt_len, batch_check=batch_check)
-            cap["model_size"], cap["family"] = size, family
+            cap["model_size"], cap["family"], cap["rope_scaling"] = size, family, rope_scaling
             if workdir:
                 torch.save(cap, wd / "capture.pt")  # with the model's size, for --capture
         if save_capture:
@@ -376,14 +391,17 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                  max_tokens: int = 16, seed: int = 0, env: str | None = None, workdir: str | None = None,
                  capture_file: str | None = None, note: Callable[[str], None] = lambda m: None,
                  mode: str = "default", exact: bool = False, size: dict[str, int] | None = None,
-                 prompt_len: int = 12, save_capture: str | None = None, batch_check: bool = False) -> Report:
+                 prompt_len: int = 12, save_capture: str | None = None, batch_check: bool = False,
+                 rope_scaling: str | None = None) -> Report:
     """``mode``: the engine's default (vLLM on CPU: compiled) or ``eager`` (enforce_eager).
     ``exact``: add the ``exact`` rows (apply_profile(..., exact=True)). ``size``: tiny_model
     overrides (:data:`SIZE_FIELDS`); ``prompt_len``: length of the first prompt. ``batch_check``:
-    the engine also scores the sequences in other batch compositions (:func:`batch_invariance`)."""
+    the engine also scores the sequences in other batch compositions (:func:`batch_invariance`).
+    ``rope_scaling``: the tiny model's RoPE scaling (engineprofiles.models.ROPE_SCALINGS)."""
     model, cap = model_and_capture(engine, family, size=size, capture_file=capture_file, save_capture=save_capture,
                                    prompts=prompts, max_tokens=max_tokens, seed=seed, env=env, workdir=workdir,
-                                   note=note, mode=mode, prompt_len=prompt_len, batch_check=batch_check)
+                                   note=note, mode=mode, prompt_len=prompt_len, batch_check=batch_check,
+                                   rope_scaling=rope_scaling)
     from emulator.patching import apply_profile
 
     eng = cap["engine"]
@@ -391,7 +409,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     tname = trainer_profile_name()
     trainer = get_profile(tname)
     report = Report(engine=eng, family=family, profile_name=prof_name, trainer_profile_name=tname, warnings=warnings,
-                    model={k: getattr(model.config, k) for k in SIZE_FIELDS}, prompt_len=len(cap["sequences"][0]["prompt"]))
+                    model=model_fields(model), prompt_len=len(cap["sequences"][0]["prompt"]))
     variants: list[tuple[str, Profile | None, bool]] = [("as-is", None, False), ("+ engine profile", prof, False)]
     for label, regs in ABLATIONS.items():
         variants.append((f"+ {label} only", combine(trainer, prof, regs), False))

@@ -7,7 +7,17 @@ N(0, 0.02), Qwen2's attention biases N(0, 0.02)), so the same seed gives the sam
 machine. torch and transformers are imported when a model is built, not when this module is.
 
     >>> model = tiny_model("qwen3", seed=1)              # 2 layers, hidden 256, vocab 256, BF16
-    >>> wide = tiny_model("qwen2", **QWEN25_05B_WIDTHS)   # Qwen2.5-0.5B's widths, 2 layers
+    >>> wide = tiny_model("qwen2", **QWEN25_05B_WIDTHS)   # RoPE scalings (rope_parameters beside the family's rope_theta; ``tiny_model(..., rope_scaling=NAME)``,
+# CLI --rope-scaling): Llama 3.1's llama3 parameters, and linear with a factor that is not a power of
+# two, where the engines (which scale the position) and HF (which scales the frequency) round apart.
+ROPE_SCALINGS: dict[str, dict[str, Any]] = {
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192),
+    "linear": dict(rope_type="linear", factor=3.0),
+}
+assert tuple(ROPE_SCALINGS) == ROPE_SCALING_NAMES
+
+# Qwen2.5-0.5B's widths, 2 layers
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from .names import FAMILY_NAMES as FAMILIES
-from .names import check_family_name
+from .names import ROPE_SCALING_NAMES, check_family_name, check_rope_scaling_name
 
 # Defaults: small, but with GQA, head_dim 64, a hidden size that is not a single head, and
 # positions well beyond 32k allowed.
@@ -35,6 +45,16 @@ ROPE_THETA = {"qwen2": 1000000.0, "qwen3": 1000000.0, "llama": 500000.0, "mistra
 # Config fields a family's tiny model sets beyond DEFAULTS: Mistral's config defaults to a 4096-token
 # sliding window (Mistral-7B-v0.1); later Mistral checkpoints have none, and the tiny model neither.
 FAMILY_FIELDS: dict[str, dict[str, Any]] = {"mistral": dict(sliding_window=None)}
+
+# RoPE scalings (rope_parameters beside the family's rope_theta; ``tiny_model(..., rope_scaling=NAME)``,
+# CLI --rope-scaling): Llama 3.1's llama3 parameters, and linear with a factor that is not a power of
+# two, where the engines (which scale the position) and HF (which scales the frequency) round apart.
+ROPE_SCALINGS: dict[str, dict[str, Any]] = {
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192),
+    "linear": dict(rope_type="linear", factor=3.0),
+}
+assert tuple(ROPE_SCALINGS) == ROPE_SCALING_NAMES
 
 # Qwen2.5-0.5B's widths (its real config), for benchmarks.
 QWEN25_05B_WIDTHS: dict[str, Any] = dict(
@@ -64,11 +84,16 @@ def _config_class(family: str):
     raise AssertionError(family)  # pragma: no cover - FAMILIES and the branches above agree
 
 
-def tiny_config(family: str = "qwen2", *, attn_implementation: str = "sdpa", **overrides: Any):
-    """The config of a tiny model of ``family``; ``overrides`` replace any config field."""
+def tiny_config(family: str = "qwen2", *, attn_implementation: str = "sdpa", rope_scaling: str | None = None,
+                **overrides: Any):
+    """The config of a tiny model of ``family``; ``rope_scaling``: one of :data:`ROPE_SCALINGS` (None:
+    default RoPE); ``overrides`` replace any config field."""
     C = _config_class(family)
     kw = dict(DEFAULTS)
     kw["rope_parameters"] = {"rope_type": "default", "rope_theta": ROPE_THETA[family]}
+    if rope_scaling is not None:
+        kw["rope_parameters"] = {**ROPE_SCALINGS[check_rope_scaling_name(rope_scaling)],
+                                 "rope_theta": ROPE_THETA[family]}
     kw.update(tie_word_embeddings=False, hidden_act="silu")
     kw.update(FAMILY_FIELDS.get(family, {}))
     kw.update(overrides)
@@ -97,16 +122,18 @@ def tiny_model(
     dtype: Any = "bfloat16",
     device: str = "cpu",
     attn_implementation: str = "sdpa",
+    rope_scaling: str | None = None,
     **overrides: Any,
 ) -> Any:
     """A causal LM of ``family`` (qwen2, qwen3, llama, mistral) with 2 decoder layers by default, its
     weights drawn from ``seed`` (see :func:`init_weights`), in ``dtype``, in eval mode.
 
-    ``overrides`` replace config fields (``hidden_size``, ``num_hidden_layers``, ...)."""
+    ``rope_scaling``: a RoPE scaling of :data:`ROPE_SCALINGS` (None: default RoPE); ``overrides``
+    replace config fields (``hidden_size``, ``num_hidden_layers``, ...)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_config(family, attn_implementation=attn_implementation, **overrides)
+    cfg = tiny_config(family, attn_implementation=attn_implementation, rope_scaling=rope_scaling, **overrides)
     dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     # Built in ``dtype`` (not cast afterwards: ``.to(dtype)`` would also round the rotary
     # embedding's FP32 inv_freq buffer, which HF keeps in FP32 when it loads a checkpoint).

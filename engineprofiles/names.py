@@ -15,6 +15,8 @@ from .errors import ArgumentError, PointError, UnsupportedDtype
 REGION_NAMES = ("rope", "swiglu", "add_rmsnorm", "rmsnorm")
 ACT_DTYPE_NAMES = ("bfloat16", "float16")
 FAMILY_NAMES = ("qwen2", "qwen3", "llama", "mistral")
+# The RoPE scalings a tiny model can carry (engineprofiles.models.ROPE_SCALINGS; CLI --rope-scaling).
+ROPE_SCALING_NAMES = ("llama3", "linear")
 # The execution modes each engine's adapter runs (engineprofiles/probe/adapters/).
 ENGINE_MODES = {"vllm": ("default", "compiled", "eager"), "sglang": ("default", "compiled"), "transformers": ("default",)}
 # The execution mode a profile records (engine.execution_mode) for each mode of an engine, as the
@@ -36,6 +38,12 @@ SAFE_NAME = r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}"
 def check_region_name(name: str) -> str:
     if name not in REGION_NAMES:
         raise PointError(f"unknown region {name!r}; regions are {', '.join(REGION_NAMES)}")
+    return name
+
+
+def check_rope_scaling_name(name: str) -> str:
+    if name not in ROPE_SCALING_NAMES:
+        raise ArgumentError(f"unknown RoPE scaling {name!r}; scalings: {', '.join(ROPE_SCALING_NAMES)}")
     return name
 
 

@@ -47,6 +47,10 @@ if [[ "${1:-}" != --wide-only ]]; then
     run "$f" --family "$f"
     run "$f-eager" --family "$f" --mode eager
   done
+  # scaled RoPE (rope_parameters): Llama 3.1's llama3 scaling, and linear with factor 3
+  for r in llama3 linear; do
+    run "llama-$r" --family llama --rope-scaling "$r"
+  done
 fi
 # (vLLM's Qwen2 takes head_dim = hidden / heads; Qwen3 and Llama read head_dim from the config)
 run qwen2-wide --family qwen2 "${WIDE[@]}" --heads 4 --kv-heads 2 --head-dim 128
@@ -58,6 +62,9 @@ run llama-wide --family llama "${WIDE[@]}" --heads 8 --kv-heads 8 --head-dim 64
 export VLLM_CPU_ATTN_SPLIT_KV=0
 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run qwen2-wide-nosplit --family qwen2 "${WIDE[@]}" --heads 4 --kv-heads 2 --head-dim 128
 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run qwen2-wide-eager-nosplit --family qwen2 --mode eager "${WIDE[@]}" --heads 4 --kv-heads 2 --head-dim 128
+# linear RoPE scaling (factor 3) where positions are long enough (~350+) for the engines' convention (the
+# position divided) and HF's (the frequency divided) to give different BF16 cos/sin
+PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run llama-linear-long-nosplit --family llama --rope-scaling linear --prompt-len 460 --max-tokens 24
 unset VLLM_CPU_ATTN_SPLIT_KV
 # SGLang's CPU engine (its default mode: eager layers, torch_native attention)
 S=${SGLANG_VERSION:-0.5.23}

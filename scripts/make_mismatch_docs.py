@@ -84,6 +84,10 @@ def main() -> None:
         size = (f"{m.get('num_hidden_layers')} layers, hidden {m.get('hidden_size')}, MLP {m.get('intermediate_size')}, "
                 f"{m.get('num_attention_heads')}/{m.get('num_key_value_heads')} heads, head dim {m.get('head_dim')}"
                 if m else "the tiny default")
+        rope = m.get("rope_parameters")
+        if rope:
+            size += ", RoPE " + rope["rope_type"] + " (" + ", ".join(
+                f"{k} {v}" for k, v in rope.items() if k != "rope_type") + ")"
         cmd = d.get("command") or f"probe-engine mismatch {e['name']} --family {d['family']}"
         parts += [f"## {e['name']} {e['version']} ({e.get('compilation_mode', '')}, mode {e.get('mode', 'default')}), "
                   f"family {d['family']}: {size}", "",

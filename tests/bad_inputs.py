@@ -958,9 +958,13 @@ def _cases() -> list[Case]:
         Raises(UnsupportedModel, "torch.nn.Module"))
     add("apply-instance-forward", AP, "a model whose MLP has a per-instance forward (as accelerate hooks leave)",
         _apply(_with_instance_forward, prof), Raises(UnsupportedModel, "per-instance forward"))
-    add("apply-rope-scaling", AP, "a model with linear RoPE scaling",
-        _apply(_qwen2(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}), prof),
-        Raises(UnsupportedModel, "rope_type 'linear'"))
+    add("apply-rope-scaling", AP, "a model with dynamic (NTK) RoPE scaling",
+        _apply(_qwen2(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}), prof),
+        Raises(UnsupportedModel, "rope_type 'dynamic' is not supported"))
+    add("apply-rope-yarn", AP, "a model with YaRN RoPE scaling (an attention scaling folded into cos/sin)",
+        _apply(_qwen2(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                       "original_max_position_embeddings": 4096}), prof),
+        Raises(UnsupportedModel, "attention_scaling"))
     add("apply-profile-directory", AP, "a folder as the profile", _apply(_qwen2(), _folder),
         Raises(ProfileNotFound, "is a folder"))
     add("apply-profile-binary", AP, "a binary file as the profile", _apply(_qwen2(), _file("p.yaml", BINARY)),

@@ -6,9 +6,9 @@ model, so PEFT-wrapped and already-instantiated models work):
 
 * SwiGLU: the MLP computes ``down_proj(swiglu(gate_proj(x), up_proj(x)))``.
 * RoPE: the attention applies ``functional.rope`` to q and k with FP32 cos/sin (the rotary
-  embedding returns them in FP32, computed from ``rope_theta`` as
-  :func:`engineprofiles.regions.rope_cos_sin` does, as engines do, whatever the dtype of HF's
-  ``inv_freq`` buffer); Qwen3's q/k norms are plain RMSNorm sites, and an FP32 ``output`` is
+  embedding returns them in FP32, computed from the config's ``rope_parameters`` as
+  :class:`engineprofiles.regions.RopeFrequencies` does, as engines do (rope_type default, llama3,
+  linear), whatever the dtype of HF's ``inv_freq`` buffer); Qwen3's q/k norms are plain RMSNorm sites, and an FP32 ``output`` is
   handed on to RoPE.
 * Residual RMSNorm: the decoder layer runs the engine's residual path, where the add is fused
   into the next norm. Per layer ``i`` (``m`` = MLP output, ``a`` = attention output)::
@@ -33,7 +33,8 @@ model, so PEFT-wrapped and already-instantiated models work):
 Regions whose profile point is the one HF's own module computes (:data:`NATIVE`) are left as
 they are unless ``skip_native=False``: HF's code already rounds there, and its autograd backward
 is kept, so applying the trainer's own profile changes no bit of the outputs or the gradients.
-(RoPE is emulated anyway when the model's ``inv_freq`` buffer was rounded by ``model.to(dtype)``.)
+(RoPE is emulated anyway when the model's ``inv_freq`` buffer was rounded by ``model.to(dtype)``,
+and under linear scaling, where HF divides the frequencies and the engines the positions.)
 Emulated regions use the emulator's straight-through FP32 backward.
 
 All or nothing: every check runs before anything changes; a refused model is untouched.

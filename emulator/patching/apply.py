@@ -246,7 +246,7 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     points = _regions(prof)
     mixed = False
     for d in decoders:
-        check_decoder(d)
+        check_decoder(d, prof.engine.name)
         mixed = _check_dtype(d, prof, act) or mixed
     _check_patchable(model, decoders)
     exact_point = _check_exact(model, decoders, prof) if exact else None
@@ -334,11 +334,11 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], ac
                     handle._bind(f"{p}.layers.{i}.self_attn.{n}", mod,
                                  fw.norm_plain(points["rmsnorm"], act, to_act=False, backend=norm_backend))
     if attention:
-        handle._bind(f"{p}.rotary_emb", d.module.rotary_emb, fw.rotary(d.rope_theta, d.rotary_dim))
+        handle._bind(f"{p}.rotary_emb", d.module.rotary_emb, fw.rotary(d.rope))
         for i, layer in enumerate(layers):
             handle._bind(f"{p}.layers.{i}.self_attn", layer.self_attn,
                          fw.attention(points["rope"], act, d.family.qk_norm, c["eager_attention"], d.family.name,
-                                      f"{p}.layers.{i}.self_attn", exact_point, rope=(d.rope_theta, d.rotary_dim),
+                                      f"{p}.layers.{i}.self_attn", exact_point, rope=d.rope,
                                       profile_name=handle.profile.canonical_name))
     if emulate["add_rmsnorm"]:
         # The residual stream's state lives on the modules (a deepcopy of the model gets its own).

@@ -25,6 +25,8 @@ from engineprofiles.regions import (
     ROUNDED,
     SWIGLU_SPEC,
     Point,
+    RopeFrequencies,
+    RopeParametersError,
 )
 
 from ..errors import UnsupportedModel
@@ -109,9 +111,8 @@ class Decoder:
     module: torch.nn.Module
     family: Family
     classes: dict[str, Any]
-    rope_theta: float = 0.0
-    rotary_dim: int = 0
-    inv_freq_exact: bool = True  # HF's inv_freq buffer holds the FP32 frequencies engines use
+    rope: RopeFrequencies | None = None  # how the engines compute this model's FP32 cos/sin
+    inv_freq_exact: bool = True  # HF's own cos/sin are the engines' (its FP32 inv_freq buffer, no scaled position)
     layers: list[torch.nn.Module] = field(default_factory=list)
 
 
@@ -148,7 +149,9 @@ def replaced_message(fam: Family, replaced: list[tuple[str, str]]) -> str:
     )
 
 
-def check_decoder(d: Decoder) -> None:
+def check_decoder(d: Decoder, engine: str = "") -> None:
+    """Check the live decoder ``d`` and fill in what the patch needs. ``engine``: the profile's engine
+    name (under linear RoPE scaling the engines scale the position, HF transformers the frequency)."""
     c, m, p = d.classes, d.module, d.path
     if c.get("replaced"):
         raise UnsupportedModel(f"{p}: " + replaced_message(d.family, c["replaced"]))
@@ -179,29 +182,31 @@ def check_decoder(d: Decoder) -> None:
     if act not in ("silu", "swish"):
         raise UnsupportedModel(f"{p}: hidden_act is {act!r}; the SwiGLU region is silu(gate) * up (hidden_act 'silu')")
     rot = m.rotary_emb
-    rope_type = getattr(rot, "rope_type", "default")
-    if rope_type != "default":
-        raise UnsupportedModel(
-            f"{p}.rotary_emb: rope_type {rope_type!r} is not supported: profiles measure RoPE with the default "
-            "frequencies (rope_type 'default'); scaled variants (linear, dynamic, yarn, llama3, ...) change cos/sin "
-            "in ways the RoPE region does not model"
-        )
     scaling = float(getattr(rot, "attention_scaling", 1.0))
     if scaling != 1.0:
-        raise UnsupportedModel(f"{p}.rotary_emb: attention_scaling is {scaling}; only 1.0 (default RoPE) is supported")
-    params = getattr(cfg, "rope_parameters", None) or {}
-    theta = params.get("rope_theta", getattr(cfg, "rope_theta", None))
-    if theta is None:
-        raise UnsupportedModel(f"{p}: the config has no rope_theta (rope_parameters['rope_theta'])")
+        raise UnsupportedModel(f"{p}.rotary_emb: attention_scaling is {scaling}; only 1.0 is supported (a scaling "
+                               "folded into cos/sin, as YaRN's, is rounded in ways the RoPE region does not model)")
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    if set(params) & {"full_attention", "sliding_attention"}:  # per-layer-type parameters (not these families)
+        raise UnsupportedModel(f"{p}: per-layer-type rope_parameters are not supported")
+    params.setdefault("rope_type", getattr(rot, "rope_type", "default"))
     head_dim = layers[0].self_attn.head_dim
     rotary_dim = 2 * rot.inv_freq.numel()
     if rotary_dim != head_dim:
         raise UnsupportedModel(
             f"{p}.rotary_emb rotates {rotary_dim} of {head_dim} lanes; only full-head RoPE is supported"
         )
-    d.rope_theta, d.rotary_dim, d.layers = float(theta), rotary_dim, layers
-    # ``model.to(torch.bfloat16)`` also rounds the rotary embedding's FP32 inv_freq buffer, and HF
-    # then rotates by rounded frequencies, which no engine does; such a model gets the emulator's
-    # RoPE (cos/sin from rope_theta in FP32) even where HF's RoPE has the profile's rounding sites.
-    exact = 1.0 / (float(theta) ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
-    d.inv_freq_exact = rot.inv_freq.dtype == torch.float32 and torch.equal(rot.inv_freq.detach().cpu(), exact)
+    try:
+        rope = RopeFrequencies.from_parameters(rotary_dim, params, theta=getattr(cfg, "rope_theta", None),
+                                               linear_scales="frequency" if engine == "transformers" else "position")
+    except RopeParametersError as e:
+        raise UnsupportedModel(f"{p}.rotary_emb: {e}") from None
+    d.rope, d.layers = rope, layers
+    # HF's own RoPE computes the profile's engine's cos/sin when its FP32 inv_freq buffer holds their
+    # frequencies and the position is not scaled (linear scaling: HF divides the frequencies, vLLM and
+    # SGLang the position). ``model.to(torch.bfloat16)`` also rounds that buffer, and HF then rotates
+    # by rounded frequencies, which no engine does. Otherwise the model gets the emulator's RoPE
+    # (cos/sin computed as that engine does) even where HF's RoPE has the profile's rounding sites.
+    scales_position = rope.rope_type == "linear" and rope.linear_scales == "position"
+    d.inv_freq_exact = (not scales_position and rot.inv_freq.dtype == torch.float32
+                        and torch.equal(rot.inv_freq.detach().cpu(), rope.inv_freq()))

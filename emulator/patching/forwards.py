@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from engineprofiles.regions import Point, rope_cos_sin
+from engineprofiles.regions import Point, RopeFrequencies
 
 from .. import functional as F
 from ..errors import ProfileMismatch, ResidualStreamLost
@@ -46,14 +46,18 @@ def mlp(point: Point, act: torch.dtype, path: str = "mlp", profile_name: str = "
     return forward
 
 
-def rotary(theta: float, rotary_dim: int):
+def cos_sin(rope: RopeFrequencies, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 cos/sin [*position_ids.shape, rotary_dim / 2] as the engines compute them (the opaque op when compiled)."""
+    if torch.compiler.is_compiling():
+        return opaque.rope_cos_sin_op(position_ids, *rope.args())
+    return rope.cos_sin(position_ids)
+
+
+def rotary(rope: RopeFrequencies):
     def forward(self, x, position_ids):
         # FP32 cos/sin, in HF's layout [batch, tokens, rotary_dim] (halves repeated); the RoPE
         # region's cos_sin site decides whether they are rounded.
-        if torch.compiler.is_compiling():
-            cos, sin = opaque.rope_cos_sin_op(position_ids, rotary_dim, theta)
-        else:
-            cos, sin = rope_cos_sin(position_ids, rotary_dim, theta)
+        cos, sin = cos_sin(rope, position_ids)
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
     return forward
@@ -71,10 +75,10 @@ def embedding():
 
 
 def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Callable[..., Any], family: str,
-              path: str, exact: Any = None, rope: tuple[float, int] | None = None, profile_name: str = ""):
+              path: str, exact: Any = None, rope: RopeFrequencies | None = None, profile_name: str = ""):
     """The attention module's forward: RoPE at the profile's point; then HF's attention function, or
-    in exact mode (``exact``: the profile's attention point) the engine's attention. ``rope``: (theta,
-    rotary_dim) of the patched rotary embedding, to recompute FP32 cos/sin that were cast on the way."""
+    in exact mode (``exact``: the profile's attention point) the engine's attention. ``rope``: the
+    frequencies of the patched rotary embedding, to recompute FP32 cos/sin that were cast on the way."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     window_of = FAMILIES[family].sliding_window
@@ -115,8 +119,7 @@ def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Ca
             # (FSDP2's cast_forward_inputs) cast them. Recompute them from the positions, as it did.
             if position_ids is None:
                 cast_away()
-            cos, sin = (opaque.rope_cos_sin_op if torch.compiler.is_compiling() else rope_cos_sin)(
-                position_ids, rope[1], rope[0])
+            cos, sin = cos_sin(rope, position_ids)
             cos, sin = cos.to(hidden_states.device), sin.to(hidden_states.device)
         q = F.rope(q, cos, sin, point, style="neox", dtype=act).transpose(1, 2)
         k = F.rope(k, cos, sin, point, style="neox", dtype=act).transpose(1, 2)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from engineprofiles.regions import rope_cos_sin
+from engineprofiles.regions import RopeFrequencies
 
 from ..errors import CompileUnsupported
 from ..ops._utils import autograd_in_op, owned
@@ -53,13 +53,17 @@ def check_compile_settings() -> None:
 
 
 @torch.library.custom_op("emulator::rope_cos_sin", mutates_args=())
-def rope_cos_sin_op(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = rope_cos_sin(positions, rotary_dim, theta)
+def rope_cos_sin_op(positions: torch.Tensor, rotary_dim: int, theta: float, rope_type: str, factor: float,
+                    low_freq_factor: float, high_freq_factor: float,
+                    original_max_position_embeddings: int, linear_scales: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """RopeFrequencies(...).cos_sin(positions); its fields as arguments (RopeFrequencies.args())."""
+    cos, sin = RopeFrequencies(rotary_dim, theta, rope_type, factor, low_freq_factor, high_freq_factor,
+                               original_max_position_embeddings, linear_scales).cos_sin(positions)
     return owned(cos, positions), owned(sin, positions)
 
 
 @rope_cos_sin_op.register_fake
-def _rope_cos_sin_fake(positions, rotary_dim, theta):
+def _rope_cos_sin_fake(positions, rotary_dim, *_):
     check_compile_settings()
     shape = (*positions.shape, rotary_dim // 2)
     return positions.new_empty(shape, dtype=torch.float32), positions.new_empty(shape, dtype=torch.float32)

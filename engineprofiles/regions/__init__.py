@@ -6,7 +6,7 @@ from .attention import attention_fp32, attention_ref, causal_mask
 from .base import FP32, PRECISIONS, ROUNDED, Choice, Point, RegionSpec
 from .rmsnorm import ADD_SPEC, PLAIN_SPEC, add_rmsnorm_ref, rmsnorm_ref
 from .rope import SPEC as ROPE_SPEC
-from .rope import STYLES, rope_cos_sin, rope_ref
+from .rope import ROPE_TYPES, STYLES, RopeFrequencies, RopeParametersError, rope_cos_sin, rope_ref
 from .swiglu import SPEC as SWIGLU_SPEC
 from .swiglu import swiglu_ref
 
@@ -26,5 +26,5 @@ __all__ = [
     "FP32", "ROUNDED", "PRECISIONS", "Choice", "Point", "RegionSpec", "REGIONS", "region", "STYLES",
     "ROPE_SPEC", "SWIGLU_SPEC", "ADD_SPEC", "PLAIN_SPEC",
     "ATTENTION_SPEC", "attention_ref", "attention_fp32", "causal_mask",
-    "rope_ref", "rope_cos_sin", "swiglu_ref", "rmsnorm_ref", "add_rmsnorm_ref",
+    "rope_ref", "rope_cos_sin", "RopeFrequencies", "RopeParametersError", "ROPE_TYPES", "swiglu_ref", "rmsnorm_ref", "add_rmsnorm_ref",
 ]

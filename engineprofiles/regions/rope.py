@@ -9,6 +9,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from ..rounding import act_dtype, round_to
@@ -46,14 +49,123 @@ SPEC = RegionSpec(
 )
 
 
-def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP32 cos and sin of shape [*positions.shape, rotary_dim // 2], as HF and vLLM compute them."""
-    if rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
-    dev = positions.device
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=dev).float() / rotary_dim))
-    freqs = positions.float().unsqueeze(-1) * inv_freq
-    return freqs.cos(), freqs.sin()
+# The rope_type values whose cos/sin the engines compute from the frequencies alone (no attention
+# scaling folded into cos/sin), which RopeFrequencies reproduces.
+ROPE_TYPES = ("default", "linear", "llama3")
+_NOT_SUPPORTED = {
+    "dynamic": "vLLM's and SGLang's 'dynamic' RoPE is a fixed NTK-scaled base over max_position_embeddings * factor "
+               "positions, while HF's rescales only once a sequence outgrows the original length: they rotate by "
+               "different frequencies, not the same ones rounded differently",
+    "yarn": "YaRN folds an attention scaling (mscale) into cos/sin, whose rounding the RoPE region does not model",
+    "longrope": "LongRoPE switches between two sets of frequencies and folds an attention scaling into cos/sin",
+}
+
+
+class RopeParametersError(ValueError):
+    """A rope_parameters dict whose cos/sin :class:`RopeFrequencies` does not reproduce."""
+
+
+@dataclass(frozen=True)
+class RopeFrequencies:
+    """How the engines compute RoPE's FP32 cos/sin for a model's ``rope_parameters`` (rope_type):
+
+    - ``default``: inv_freq = 1 / theta^(2i/d); angle = position * inv_freq;
+    - ``llama3``: inv_freq smoothly divided by ``factor`` by wavelength (Llama 3.1's scaling; engines and
+      HF compute the same FP32 operations);
+    - ``linear``: angle = (position / factor) * inv_freq, the position scaled (``linear_scales``
+      "position": vLLM and SGLang build their cos/sin cache so), or position * (inv_freq / factor), the
+      frequency scaled ("frequency": HF transformers), which rounds otherwise unless ``factor`` is a
+      power of two.
+
+    cos and sin of the FP32 angle, in FP32 (the cos_sin site then decides whether they are rounded)."""
+
+    rotary_dim: int
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    linear_scales: str = "position"
+
+    def __post_init__(self) -> None:
+        if self.linear_scales not in ("position", "frequency"):
+            raise ValueError(f"linear_scales must be 'position' or 'frequency', got {self.linear_scales!r}")
+        if self.rotary_dim % 2 or self.rotary_dim <= 0:
+            raise ValueError(f"rotary_dim must be even and positive, got {self.rotary_dim}")
+        if self.rope_type not in ROPE_TYPES:
+            why = _NOT_SUPPORTED.get(self.rope_type, "the RoPE region does not model its frequencies")
+            raise RopeParametersError(
+                f"rope_type {self.rope_type!r} is not supported ({why}); supported: {', '.join(ROPE_TYPES)}")
+
+    @classmethod
+    def from_parameters(cls, rotary_dim: int, params: dict, theta: float | None = None,
+                        linear_scales: str = "position") -> "RopeFrequencies":
+        """From a transformers ``config.rope_parameters`` dict (``rope_type``, ``rope_theta``, and the
+        scaling fields of that type); ``theta`` when the dict has no ``rope_theta``."""
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        base = params.get("rope_theta", theta)
+        if base is None:
+            raise RopeParametersError("the RoPE parameters have no rope_theta")
+        kw: dict = {}
+        try:
+            if rope_type in ("linear", "llama3"):
+                kw["factor"] = float(params["factor"])
+            if rope_type == "llama3":
+                kw.update(low_freq_factor=float(params["low_freq_factor"]),
+                          high_freq_factor=float(params["high_freq_factor"]),
+                          original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+        except KeyError as e:
+            raise RopeParametersError(f"rope_type {rope_type!r} needs rope_parameters[{e.args[0]!r}]") from None
+        return cls(rotary_dim, float(base), rope_type, **kw, linear_scales=linear_scales)
+
+    def default_inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
+        d = self.rotary_dim
+        return 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+
+    def inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The FP32 frequencies the angle multiplies (for ``linear`` scaling the position, the unscaled ones)."""
+        inv = self.default_inv_freq(device)
+        if self.rope_type == "linear" and self.linear_scales == "frequency":
+            return inv / self.factor
+        if self.rope_type != "llama3":
+            return inv
+        # Llama 3.1: wavelengths shorter than original/high_freq_factor keep their frequency, longer than
+        # original/low_freq_factor are divided by factor, and in between blend the two linearly in
+        # original/wavelength. FP32 tensor arithmetic with Python-float scalars, in this order.
+        orig, low, high, factor = (self.original_max_position_embeddings, self.low_freq_factor,
+                                   self.high_freq_factor, self.factor)
+        wavelen = 2 * math.pi / inv
+        if low != high:
+            smooth = (orig / wavelen - low) / (high - low)
+        else:  # no band in between (where() never picks it)
+            smooth = torch.zeros_like(inv)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        return torch.where(wavelen < orig / high, inv, torch.where(wavelen > orig / low, inv / factor, blended))
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP32 cos and sin of shape [*positions.shape, rotary_dim // 2]."""
+        t = positions.float()
+        if self.rope_type == "linear" and self.linear_scales == "position":
+            t = t / self.factor
+        freqs = t.unsqueeze(-1) * self.inv_freq(positions.device)
+        return freqs.cos(), freqs.sin()
+
+    def args(self) -> tuple:
+        """The fields as plain values (for a custom op's arguments), in declaration order."""
+        return (self.rotary_dim, self.theta, self.rope_type, self.factor, self.low_freq_factor, self.high_freq_factor,
+                self.original_max_position_embeddings, self.linear_scales)
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float = 10000.0,
+                 frequencies: RopeFrequencies | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 cos and sin of shape [*positions.shape, rotary_dim // 2], as HF and vLLM compute them:
+    default RoPE with ``base`` (theta), or the scaled RoPE ``frequencies`` describe."""
+    if frequencies is None:
+        if rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
+        frequencies = RopeFrequencies(rotary_dim, float(base))
+    return frequencies.cos_sin(positions)
 
 
 def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

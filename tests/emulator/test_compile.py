@@ -94,6 +94,34 @@ def test_the_compiled_patched_model_is_bit_equal_to_the_eager_patched_model(fami
     assert differing(want, unpatched), "the patch changes no bit here, so this test could not see it dropped"
 
 
+@pytest.mark.parametrize("scaling", ["llama3", "linear"])
+def test_a_compiled_patched_model_with_scaled_rope_is_bit_equal_to_the_eager_one(scaling):
+    # The patched rotary embedding's cos/sin are an opaque op under torch.compile; its arguments carry
+    # the scaling (a compiled op computing default frequencies would differ at these positions).
+    rope = {"llama3": dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                           high_freq_factor=4.0, original_max_position_embeddings=8192),
+            "linear": dict(rope_type="linear", rope_theta=500000.0, factor=3.0)}[scaling]
+    model = tiny_model("llama", seed=1, rope_parameters=rope)
+    model.train()
+    ids, mask, labels = batch(model, 12)
+    pos = (torch.arange(12) * 900).unsqueeze(0).expand(2, -1)
+
+    def run_step(run, model=model):
+        model.zero_grad(set_to_none=True)
+        out = run(ids, attention_mask=mask, labels=labels, position_ids=pos)
+        out.loss.backward()
+        return (out.loss.detach().clone(), out.logits.detach().clone(),
+                {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+    with emulator.apply_profile(model, INSITU) as h:
+        assert "rope" in h.emulated
+        want = run_step(model)
+        assert_same_step(run_step(torch.compile(model, fullgraph=True)), want, f"{scaling}: compiled vs eager")
+    plain = tiny_model("llama", seed=1)  # default RoPE
+    plain.train()
+    with emulator.apply_profile(plain, INSITU):
+        assert differing(run_step(plain, plain), want), "the scaling changes no bit here"
+
+
 def test_a_new_sequence_length_recompiles_to_the_same_bits():
     model = tiny_model("qwen2", seed=1)
     model.train()

@@ -523,8 +523,8 @@ def test_a_profile_with_an_unavailable_region_is_refused():
 @pytest.mark.parametrize("change", ["rope_type", "attention_scaling", "replaced_mlp", "gelu", "instance_forward"])
 def test_a_model_the_patch_cannot_reproduce_is_refused(change):
     if change == "rope_type":
-        model = tiny_model("qwen2", seed=1, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6})
-        match = "rope_type 'linear'"
+        model = tiny_model("qwen2", seed=1, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6})
+        match = "rope_type 'dynamic' is not supported .*different frequencies.*supported: default, linear, llama3"
     else:
         model = tiny_model("qwen2", seed=1, **({"hidden_act": "gelu"} if change == "gelu" else {}))
         match = {"attention_scaling": "attention_scaling", "replaced_mlp": r"model.layers.1.mlp is a Sequential",
@@ -573,3 +573,68 @@ def test_a_model_whose_rope_frequencies_were_rounded_gets_the_engines_fp32_frequ
         with emulator.apply_profile(model, TRANSFORMERS_PROFILE) as h:
             assert h.emulated == ("rope",)
             assert_same_bits(model(ids, position_ids=pos).logits, want, "FP32 frequencies restored by the patch")
+
+
+# -- scaled RoPE (rope_type llama3, linear) --------------------------------------------------------
+
+ROPE_SCALED = {
+    "llama3": dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192),
+    "linear": dict(rope_type="linear", rope_theta=500000.0, factor=3.0),
+}
+ENGINE_INSITU = "vllm-0.32.0-cpu-inductor-bfloat16-insitu"
+
+
+def _scaled(family, scaling, **kw):
+    return tiny_model(family, seed=1, rope_parameters=dict(ROPE_SCALED[scaling]), **kw)
+
+
+@pytest.mark.parametrize("scaling", sorted(ROPE_SCALED))
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_scaled_rope_at_the_transformers_profile_is_hfs_forward_bit_for_bit(family, scaling):
+    model = _scaled(family, scaling)
+    ids = tiny_inputs(model, 48, seed=2)
+    pos = torch.arange(48).unsqueeze(0) * 700  # long-range positions, where the scaled frequencies matter
+    with torch.no_grad():
+        hf = model(ids, position_ids=pos).logits
+        assert not torch.equal(hf, tiny_model(family, seed=1)(ids, position_ids=pos).logits), "scaling changes nothing"
+        with emulator.apply_profile(model, TRANSFORMERS_PROFILE) as h:
+            assert h.emulated == ()  # HF's frequencies are the trainer's own: nothing to change
+        with emulator.apply_profile(model, TRANSFORMERS_PROFILE, skip_native=False) as h:
+            assert "rope" in h.emulated
+            assert_same_bits(model(ids, position_ids=pos).logits, hf, f"{scaling}: emulated at HF's own point")
+
+
+@pytest.mark.parametrize("scaling", sorted(ROPE_SCALED))
+def test_scaled_rope_patched_rotary_embedding_hands_on_the_engines_fp32_cos_sin(scaling):
+    from engineprofiles.regions import RopeFrequencies
+
+    model = _scaled("llama", scaling)
+    rot = model.model.rotary_emb
+    x = torch.zeros(1, dtype=torch.float32)  # HF's rotary embedding returns cos/sin in x's dtype
+    pos = torch.arange(0, 50000, 13).unsqueeze(0)
+    hf_cos, hf_sin = rot(x, pos)
+    want = RopeFrequencies.from_parameters(model.config.head_dim, ROPE_SCALED[scaling]).cos_sin(pos)
+    with emulator.apply_profile(model, ENGINE_INSITU) as h:
+        assert "rope" in h.emulated
+        cos, sin = rot(x, pos)
+    half = cos.shape[-1] // 2
+    assert cos.dtype == torch.float32
+    assert_same_bits(cos[..., :half], want[0], "cos") and assert_same_bits(sin[..., :half], want[1], "sin")
+    if scaling == "llama3":  # HF computes the engines' llama3 frequencies
+        assert_same_bits(cos, hf_cos, "HF's cos") and assert_same_bits(sin, hf_sin, "HF's sin")
+    else:  # HF divides the frequencies by the factor (3), the engines the position: they round apart
+        assert not torch.equal(cos, hf_cos)
+
+
+def test_a_llama3_model_whose_frequencies_were_rounded_gets_the_engines_fp32_llama3_frequencies():
+    model = _scaled("llama", "llama3")
+    ids = tiny_inputs(model, 48, seed=2)
+    pos = torch.arange(48).unsqueeze(0) * 700
+    with torch.no_grad():
+        want = model(ids, position_ids=pos).logits
+        model.to(torch.bfloat16)
+        assert not torch.equal(model(ids, position_ids=pos).logits, want)
+        with emulator.apply_profile(model, TRANSFORMERS_PROFILE) as h:
+            assert h.emulated == ("rope",)
+            assert_same_bits(model(ids, position_ids=pos).logits, want, "FP32 llama3 frequencies restored")

@@ -265,6 +265,11 @@ def test_mismatch_unknown_family_fails_before_the_run(no_run):
     assert not no_run
 
 
+def test_mismatch_unknown_rope_scaling_fails_before_the_run(no_run):
+    _refused(runner.invoke(app, ["mismatch", "--family", "llama", "--rope-scaling", "yarn"]), "unknown RoPE scaling 'yarn'")
+    assert not no_run
+
+
 @pytest.mark.parametrize("command", [["mismatch"], ["vllm", "--in-situ", "-o", "-"]], ids=["mismatch", "in-situ"])
 def test_a_missing_text_or_code_running_capture_is_an_error_line(tmp_path, command):
     text = tmp_path / "cap.txt"

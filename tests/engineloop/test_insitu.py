@@ -82,6 +82,32 @@ def test_mismatch_warns_about_a_profile_from_another_engine(model, tmp_path):
     assert rep.warnings and "vllm" in rep.warnings[0] and "transformers" in rep.warnings[0]
 
 
+def test_mismatch_on_a_scaled_rope_model_records_it_and_checks_a_capture_against_it(tmp_path):
+    from engineprofiles.errors import ArgumentError
+
+    scaled = tiny_model("llama", seed=0, rope_scaling="llama3")
+    cap = capture_from_trainer(scaled, None, prompts=1)
+    f = tmp_path / "cap.pt"
+    torch.save(dict(cap, family="llama", rope_scaling="llama3"), f)
+    rep = run_mismatch("vllm", family="llama", profile=ENGINE, capture_file=str(f), rope_scaling="llama3")
+    assert rep.model["rope_parameters"]["rope_type"] == "llama3" and rep.model["rope_parameters"]["factor"] == 8.0
+    with pytest.raises(EngineProfilesError, match="captured on a model with RoPE scaling llama3, not default RoPE"):
+        run_mismatch("vllm", family="llama", profile=ENGINE, capture_file=str(f))
+    with pytest.raises(EngineProfilesError, match="RoPE scaling llama3, not RoPE scaling linear"):
+        run_mismatch("vllm", family="llama", profile=ENGINE, capture_file=str(f), rope_scaling="linear")
+    with pytest.raises(ArgumentError, match="unknown RoPE scaling 'yarn'; scalings: llama3, linear"):
+        run_mismatch("vllm", family="llama", rope_scaling="yarn")
+    plain = run_mismatch("vllm", family="llama", profile=ENGINE, capture_file=str(_saved(tmp_path, "llama")))
+    assert "rope_parameters" not in plain.model
+
+
+def _saved(tmp_path, family):
+    cap = capture_from_trainer(tiny_model(family, seed=0), None, prompts=1)
+    f = tmp_path / f"{family}.pt"
+    torch.save(dict(cap, family=family), f)
+    return f
+
+
 def test_mismatch_refuses_an_unknown_family():
     with pytest.raises(EngineProfilesError, match="unknown model family 'gpt2'"):
         run_mismatch("vllm", family="gpt2")

@@ -228,3 +228,76 @@ def test_distinct_canonical_site_choices_are_distinguishable(dtype):
         for p, q in itertools.combinations(outs, 2):
             if spec.site_part(p) != spec.site_part(q):
                 assert any(_differs(a, b) or a.dtype != b.dtype for a, b in zip(outs[p], outs[q])), (p, q)
+
+
+# -- RoPE's frequencies under rope scaling (rope_type) ---------------------------------------------
+
+LLAMA3 = [  # Llama 3.1's parameters, and a config whose blended band is wider (factor not a power of two)
+    dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+         original_max_position_embeddings=8192),
+    dict(rope_type="llama3", rope_theta=10000.0, factor=3.0, low_freq_factor=1.5, high_freq_factor=5.0,
+         original_max_position_embeddings=512),
+]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("params", LLAMA3, ids=["llama3.1", "llama3-wide-band"])
+def test_llama3_frequencies_are_hfs_bit_for_bit_with_every_band_present(params, head_dim):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engineprofiles.regions import RopeFrequencies
+
+    cfg = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                      max_position_embeddings=16384, rope_parameters=dict(params))
+    hf, scaling = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    f = RopeFrequencies.from_parameters(head_dim, params)
+    inv, plain = f.inv_freq(), f.default_inv_freq()
+    assert scaling == 1.0 and inv.dtype == torch.float32
+    assert torch.equal(inv, hf)
+    # the three bands: kept, divided by factor, blended (neither)
+    kept, divided = inv == plain, inv == plain / params["factor"]
+    assert kept.any() and divided.any() and (~kept & ~divided).any()
+    # and the cos/sin follow from them: angle = position * inv_freq in FP32
+    pos = torch.arange(0, 40000, 7)
+    cos, sin = f.cos_sin(pos)
+    angle = pos.float().unsqueeze(-1) * hf
+    assert torch.equal(cos, angle.cos()) and torch.equal(sin, angle.sin())
+    assert not torch.equal(cos, rope_cos_sin(pos, head_dim, params["rope_theta"])[0])
+
+
+def test_linear_scaling_scales_the_position_as_engines_do_or_the_frequency_as_hf_does():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engineprofiles.regions import RopeFrequencies
+
+    params = dict(rope_type="linear", rope_theta=1e6, factor=3.0)
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, rope_parameters=dict(params))
+    hf_inv, _ = ROPE_INIT_FUNCTIONS["linear"](cfg, "cpu")
+    pos = torch.arange(0, 30000, 3)
+    engines = RopeFrequencies.from_parameters(64, params)
+    hf = RopeFrequencies.from_parameters(64, params, linear_scales="frequency")
+    assert torch.equal(hf.inv_freq(), hf_inv)
+    (c_e, s_e), (c_h, s_h) = engines.cos_sin(pos), hf.cos_sin(pos)
+    angle_e = (pos.float() / 3.0).unsqueeze(-1) * engines.default_inv_freq()
+    assert torch.equal(c_e, angle_e.cos()) and torch.equal(s_e, angle_e.sin())
+    angle_h = pos.float().unsqueeze(-1) * hf_inv
+    assert torch.equal(c_h, angle_h.cos()) and torch.equal(s_h, angle_h.sin())
+    assert not torch.equal(c_e, c_h)  # a factor that is not a power of two: the two conventions round apart
+    two = dict(params, factor=2.0)  # a power of two: dividing is exact either way
+    assert torch.equal(RopeFrequencies.from_parameters(64, two).cos_sin(pos)[0],
+                       RopeFrequencies.from_parameters(64, two, linear_scales="frequency").cos_sin(pos)[0])
+
+
+@pytest.mark.parametrize("params,match", [
+    (dict(rope_type="dynamic", factor=2.0), "rope_type 'dynamic' is not supported .*different frequencies"),
+    (dict(rope_type="yarn", factor=4.0), "rope_type 'yarn' is not supported .*mscale"),
+    (dict(rope_type="longrope"), "rope_type 'longrope' is not supported"),
+    (dict(rope_type="su"), "rope_type 'su' is not supported .*supported: default, linear, llama3"),
+    (dict(rope_type="llama3", factor=8.0), "rope_type 'llama3' needs rope_parameters\\['low_freq_factor'\\]"),
+    (dict(rope_type="linear"), "rope_type 'linear' needs rope_parameters\\['factor'\\]"),
+])
+def test_rope_parameters_it_does_not_reproduce_are_refused_by_name(params, match):
+    from engineprofiles.regions import RopeFrequencies, RopeParametersError
+
+    with pytest.raises(RopeParametersError, match=match):
+        RopeFrequencies.from_parameters(64, dict(params, rope_theta=1e4))

@@ -27,22 +27,26 @@ from .envs import require_env
 
 from .envs import REPO
 VERSION = "0.32.0"
-CASES = [("qwen2", "default"), ("qwen3", "default"), ("llama", "default"), ("mistral", "default"), ("qwen3", "eager")]
+# (family, mode, RoPE scaling of the tiny model)
+CASES = [("qwen2", "default", None), ("qwen3", "default", None), ("llama", "default", None),
+         ("mistral", "default", None), ("llama", "default", "llama3"), ("llama", "default", "linear"),
+         ("qwen3", "eager", None)]
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("family,mode", CASES, ids=[f"{f}-{m}" for f, m in CASES])
-def test_exact_mode_reproduces_the_engines_log_probs(family, mode, tmp_path):
+@pytest.mark.parametrize("family,mode,rope", CASES, ids=[f"{f}-{m}" + (f"-{r}" if r else "") for f, m, r in CASES])
+def test_exact_mode_reproduces_the_engines_log_probs(family, mode, rope, tmp_path):
     require_env("vllm", VERSION)
     out = tmp_path / "m.json"
     r = subprocess.run(
         [sys.executable, "-m", "engineloop.cli", "mismatch", "vllm", "--family", family, "--mode", mode, "--exact",
-         "--prompts", "2", "--json", str(out)],
+         "--prompts", "2", "--json", str(out), *(["--rope-scaling", rope] if rope else [])],
         cwd=REPO, capture_output=True, text=True, timeout=1200, env=dict(os.environ),
     )
     sys.stdout.write(r.stdout[-4000:])
     assert r.returncode == 0, f"probe-engine mismatch failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
     d = json.loads(out.read_text())
+    assert (d["model"].get("rope_parameters") or {}).get("rope_type") == rope  # the engine ran the scaled model
     rows = {k: {x["trainer"]: x for x in d[k]} for k in ("sampled", "prefill")}
     prof = get_profile(d["profile"])
     here = d["engine"].get("cpu_capability")
