@@ -301,3 +301,14 @@ def test_rope_parameters_it_does_not_reproduce_are_refused_by_name(params, match
 
     with pytest.raises(RopeParametersError, match=match):
         RopeFrequencies.from_parameters(64, dict(params, rope_theta=1e4))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "mistral"])
+def test_the_transformers_probe_builds_each_familys_own_layers(family):
+    from engineprofiles.names import FAMILY_NAMES
+    from engineprofiles.probe.adapters.transformers import family_classes
+
+    assert family in FAMILY_NAMES
+    config, layer, rotary = family_classes(family)
+    for cls in (config, layer, rotary):
+        assert cls.__module__.split(".")[-1] in (f"modeling_{family}", f"configuration_{family}"), cls

@@ -47,10 +47,17 @@ def family_classes(family: str):
         from transformers.models.qwen3 import modeling_qwen3 as m
 
         return C, m.Qwen3DecoderLayer, m.Qwen3RotaryEmbedding
-    from transformers import LlamaConfig as C
-    from transformers.models.llama import modeling_llama as m
+    if family == "mistral":
+        from transformers import MistralConfig as C
+        from transformers.models.mistral import modeling_mistral as m
 
-    return C, m.LlamaDecoderLayer, m.LlamaRotaryEmbedding
+        return C, m.MistralDecoderLayer, m.MistralRotaryEmbedding
+    if family == "llama":
+        from transformers import LlamaConfig as C
+        from transformers.models.llama import modeling_llama as m
+
+        return C, m.LlamaDecoderLayer, m.LlamaRotaryEmbedding
+    raise AssertionError(family)  # pragma: no cover - FAMILY_NAMES and the branches above agree
 
 
 def _capture_fn(module, query, key, value, attention_mask, **kwargs):
