@@ -478,6 +478,8 @@ def localize(
     heads: Optional[int] = typer.Option(None, help="tiny model size: attention heads (default 4)"),
     kv_heads: Optional[int] = typer.Option(None, help="tiny model size: key/value heads (default 2)"),
     head_dim: Optional[int] = typer.Option(None, help="tiny model size: head dim (default 64)"),
+    rope_scaling: Optional[str] = typer.Option(
+        None, help="tiny model's RoPE scaling (default: none): llama3 or linear, as for mismatch"),
 ) -> None:
     """Run the engine and the trainer on the same tiny model and name the first tensor whose bits
     differ (residual stream, norm outputs, q/k/v, attention output, MLP output, final norm,
@@ -502,6 +504,10 @@ def localize(
         bad = [t for t in trainer if t not in TRAINERS]
         if bad:
             raise EngineProfilesError(f"--trainer must be one of {', '.join(TRAINERS)}; got {', '.join(bad)}")
+        if rope_scaling is not None:
+            from engineprofiles.names import check_rope_scaling_name
+
+            check_rope_scaling_name(rope_scaling)
         require("insitu", "probe-engine localize (the trainer side: HF models patched by the emulator)")
     except EngineProfilesError as e:
         _fail(e)
@@ -512,7 +518,7 @@ def localize(
         rep = run_localize(engine, family=family, trainers=tuple(dict.fromkeys(trainer)), profile=profile,
                            prompts=prompts, max_tokens=max_tokens, seed=seed, env=env, capture_file=capture,
                            save_capture=save_capture, mode=mode, size=size, prompt_len=prompt_len,
-                           try_fixes=not no_fixes, note=lambda m: _say(err, f"  [{time.perf_counter() - t0:6.1f}s] {m}"))
+                           try_fixes=not no_fixes, rope_scaling=rope_scaling, note=lambda m: _say(err, f"  [{time.perf_counter() - t0:6.1f}s] {m}"))
     except EngineProfilesError as e:
         _fail(e)
     rep.command = os.environ.get("ENGINEPROFILES_COMMAND") or shlex.join(["probe-engine", *sys.argv[1:]])

@@ -373,8 +373,9 @@ def run_localize(engine: str = "vllm", *, family: str = "qwen2", trainers: tuple
                  profile: str | None = None, prompts: int = 2, max_tokens: int = 8, seed: int = 0,
                  env: str | None = None, capture_file: str | None = None, save_capture: str | None = None,
                  mode: str = "default", size: dict[str, int] | None = None, prompt_len: int = 12,
-                 note: Callable[[str], None] = lambda m: None, try_fixes: bool = True) -> LocalizeReport:
-    from .mismatch import SIZE_FIELDS, engine_profile, model_and_capture, trainer_profile_name
+                 note: Callable[[str], None] = lambda m: None, try_fixes: bool = True,
+                 rope_scaling: str | None = None) -> LocalizeReport:
+    from .mismatch import engine_profile, model_and_capture, model_fields, trainer_profile_name
     from engineprofiles.store import get_profile
 
     bad = [t for t in trainers if t not in TRAINERS]
@@ -382,13 +383,13 @@ def run_localize(engine: str = "vllm", *, family: str = "qwen2", trainers: tuple
         raise EngineProfilesError(f"--trainer must be among {', '.join(TRAINERS)}; got {', '.join(bad) or 'none'}")
     model, cap = model_and_capture(engine, family, size=size, capture_file=capture_file, save_capture=save_capture,
                                    prompts=prompts, max_tokens=max_tokens, seed=seed, env=env, workdir=None,
-                                   note=note, mode=mode, prompt_len=prompt_len,
+                                   note=note, mode=mode, prompt_len=prompt_len, rope_scaling=rope_scaling,
                                    what="probe-engine localize (the trainer side: HF models patched by the emulator)")
     prof_name, prof, warnings = engine_profile(engine, cap, profile, capture_file=capture_file, mode=mode,
                                                exact="exact" in trainers)
     tname = trainer_profile_name()
     rep = LocalizeReport(engine=cap["engine"], family=family, profile_name=prof_name, trainer_profile_name=tname,
-                         model={k: getattr(model.config, k) for k in SIZE_FIELDS}, warnings=warnings)
+                         model=model_fields(model), warnings=warnings)
     observed = set(engine_tensors(next(s for s in cap["sequences"] if all(s["layers"]))))
     rep.unobserved = [n for n in tensor_names(model.config.num_hidden_layers) if n not in observed]
     if rep.unobserved and cap["engine"].get("mode") != "eager":
