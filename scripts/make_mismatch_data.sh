@@ -69,11 +69,15 @@ unset VLLM_CPU_ATTN_SPLIT_KV
 # SGLang's CPU engine (its default mode: eager layers, torch_native attention)
 S=${SGLANG_VERSION:-0.5.23}
 if [[ "${1:-}" != --wide-only ]]; then
-  for f in qwen2 qwen3 llama; do
+  for f in qwen2 qwen3 llama mistral; do
     echo "== $f: probe-engine mismatch sglang --exact --family $f" >&2
     ENGINEPROFILES_COMMAND="probe-engine mismatch sglang --exact --family $f" \
       "$PY" -m engineloop.cli mismatch sglang --exact --family "$f" --json "$D/mismatch-sglang-$S-$f.json" >/dev/null
   done
+  echo "== llama-llama3: probe-engine mismatch sglang --exact --family llama --rope-scaling llama3" >&2
+  ENGINEPROFILES_COMMAND="probe-engine mismatch sglang --exact --family llama --rope-scaling llama3" \
+    "$PY" -m engineloop.cli mismatch sglang --exact --family llama --rope-scaling llama3 \
+    --json "$D/mismatch-sglang-$S-llama-llama3.json" >/dev/null
 fi
 batch_all
 "$PY" scripts/make_mismatch_docs.py
