@@ -186,7 +186,12 @@ def mismatch_plot(rep, path: str) -> None:
         ax.set_yticklabels([])
     e = rep.engine
     model = getattr(rep, "model", {}) or {}
-    size = ", ".join(f"{k.replace('num_', '').replace('_', ' ')} {v}" for k, v in model.items())
+    size = ", ".join(f"{k.replace('num_', '').replace('_', ' ')} {v}" for k, v in model.items()
+                     if k != "rope_parameters")
+    rope = model.get("rope_parameters")
+    if isinstance(rope, dict):  # a scaled RoPE: its type and factor (the rest is in the JSON)
+        size += f"{', ' if size else ''}RoPE {rope.get('rope_type')}" + (
+            f" x{rope['factor']:g}" if isinstance(rope.get("factor"), (int, float)) else "")
     fig.suptitle(f"{e['name']} {e['version']} (mode {e.get('mode', 'default')}) vs HF trainer, family {rep.family}"
                  + (f"\n{size}" if size else ""), fontsize=11)
     fig.tight_layout()
