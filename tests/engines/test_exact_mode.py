@@ -27,7 +27,10 @@ from .envs import require_env
 
 from .envs import REPO
 VERSION = "0.32.0"
-# (family, mode, RoPE scaling of the tiny model)
+# (family, mode, RoPE scaling of the tiny model). At these short positions the engines' linear-scaling
+# convention (position / factor) and HF's (frequency / factor) give the same BF16 cos/sin; that they
+# differ is checked on the engine's own cache (test_rope_scaling_engine.py) and measured on 460-token
+# prompts in docs/mismatch.md.
 CASES = [("qwen2", "default", None), ("qwen3", "default", None), ("llama", "default", None),
          ("mistral", "default", None), ("llama", "default", "llama3"), ("llama", "default", "linear"),
          ("qwen3", "eager", None)]
