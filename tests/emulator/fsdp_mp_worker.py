@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.emulator.fsdp_worker import exit_without_destructors
+
 SETUPS = [(cast, order) for cast in (True, False) for order in ("shard-then-patch", "patch-then-shard")]
 
 
@@ -65,6 +67,7 @@ def _run(rank: int, world: int, family: str, profile: str, out: str, port: int) 
             torch.save(results, out)
     finally:
         dist.destroy_process_group()
+    exit_without_destructors()
 
 
 def main() -> None:
