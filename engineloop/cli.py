@@ -362,7 +362,7 @@ def mismatch(
     head_dim: Optional[int] = typer.Option(None, help="tiny model size: head dim (default 64)"),
     batch_check: bool = typer.Option(False, "--batch-check", help="also re-score the same sequences in other batch "
                                      "compositions inside the engine (alone again, all together, reversed, beside a "
-                                     "longer sequence; the prompts sampled together) and report whether its log-probs "
+                                     "longer sequence; the prompts decoded greedily alone and together) and report whether its log-probs "
                                      "change with the batch (the engine then runs several sequences at once)"),
     rope_scaling: Optional[str] = typer.Option(
         None, help="tiny model's RoPE scaling (its rope_parameters; default: none): llama3 (Llama 3.1's: factor 8, "

@@ -53,7 +53,7 @@ def test_the_same_log_probs_in_every_composition_are_batch_invariant():
     assert rows["all together"]["forward_tokens"] == [13] and rows["all together"]["requests_per_call"] == [2]
 
 
-def test_one_bf16_ulp_of_difference_in_one_token_breaks_invariance():
+def test_one_fp32_ulp_of_difference_in_one_token_breaks_invariance():
     # One FP32 ulp in one prefill log-prob: batch-dependent, and the row says by how much.
     moved = [list(ALONE[0]), list(ALONE[1])]
     moved[1][3] = one_ulp_up(moved[1][3])
