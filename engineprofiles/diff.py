@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .regions import BESIDE
 from .schema import Profile
 
 
@@ -103,7 +104,7 @@ def diff_profiles(a: Profile, b: Profile, a_name: str = "A", b_name: str = "B") 
         if va != vb:
             d.context.append((f"engine.settings.{k}", _fmt(va), _fmt(vb)))
     for (name, _, ea), (_, _, eb) in zip(a.entries(), b.entries()):
-        where = "attention" if name == "attention" else f"regions.{name}"
+        where = name if name in BESIDE else f"regions.{name}"
         for f in ("match_rate", "max_ulp", "ambiguous", "shape_dependent", "nondeterministic"):
             va, vb = getattr(ea.evidence, f), getattr(eb.evidence, f)
             if va != vb:

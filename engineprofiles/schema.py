@@ -20,13 +20,16 @@ from . import safeyaml
 from .errors import ProfileError
 from .files import write_atomic
 from .names import SAFE_NAME
-from .regions import ATTENTION_SPEC, REGIONS, Point, RegionSpec
+from .regions import ATTENTION_SPEC, BESIDE, MOE_SPEC, REGIONS, Point, RegionSpec
 
-# 2: the ``attention`` entry (what exact mode consumes). Version 1 files load with it recorded as
-# not measured (:func:`migrate`); this package writes version 2 only.
-SCHEMA_VERSION = 3
-SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3)
+# 2: the ``attention`` entry (what exact mode consumes). 3: the evidence's ``scope``. 4: the ``moe``
+# entry (a sparse MoE block's experts). Older files load migrated (:func:`migrate`); this package
+# writes the current version only.
+SCHEMA_VERSION = 4
+SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3, 4)
 V1_ATTENTION_REASON = "not probed: the profile was written with schema version 1, before attention was measured; re-probe"
+V3_MOE_REASON = ("not probed: the profile was written with schema version 3, before the MoE experts were probed; "
+                 "re-probe")
 
 Precision = Literal["fp32", "rounded"]
 SettingValue = Optional[str | int | float | bool | list[str]]
@@ -133,6 +136,7 @@ Regions = create_model(
     "Regions", __base__=StrictModel, **{name: (model, ...) for name, model in ENTRY_MODELS.items()}  # type: ignore[arg-type]
 )
 AttentionEntry = _entry_model(ATTENTION_SPEC)
+MoeEntry = _entry_model(MOE_SPEC)
 
 
 class Provenance(StrictModel):
@@ -155,28 +159,33 @@ class Profile(StrictModel):
     # aligns, but what exact mode needs. ``evidence.status: unavailable`` with a reason when the
     # probe did not measure it.
     attention: AttentionEntry  # type: ignore[valid-type]
+    # The experts of a sparse MoE block as the engine runs them (its fused-MoE path): the SwiGLU
+    # expert MLP with its GEMMs and the weighted sum over the top-k experts. Unavailable, with the
+    # reason, where the engine has no such path on the device or it was not probed.
+    moe: MoeEntry  # type: ignore[valid-type]
     provenance: Provenance
 
     # -- access ---------------------------------------------------------------------------
     def entry(self, region: str) -> Any:
+        """The entry of a region, or of ``attention`` / ``moe`` (recorded beside the regions)."""
+        if region in BESIDE:
+            return getattr(self, region)
         return getattr(self.regions, region)
 
     def entries(self) -> list[tuple[str, RegionSpec, Any]]:
-        """(name, spec, entry) of every region, then attention: what diff and show walk through."""
-        return [(n, s, self.entry(n)) for n, s in REGIONS.items()] + [("attention", ATTENTION_SPEC, self.attention)]
+        """(name, spec, entry) of every region, then attention and moe: what diff and show walk through."""
+        return [(n, s, self.entry(n)) for n, s in (*REGIONS.items(), *BESIDE.items())]
 
     def available(self, region: str) -> bool:
-        if region == "attention":
-            return self.attention.evidence.status == "measured"
         return self.entry(region).evidence.status == "measured"
 
     def point(self, region: str) -> Point:
-        """The lattice point this profile assigns to ``region`` (or to ``attention``)."""
-        if region == "attention":
-            e = self.attention
+        """The lattice point this profile assigns to ``region`` (or to ``attention`` / ``moe``)."""
+        if region in BESIDE:
+            e = self.entry(region)
             if e.sites is None:
-                raise ProfileError(f"attention was not measured in this profile ({e.evidence.reason})", field="attention")
-            return ATTENTION_SPEC.point(e.sites.model_dump(), e.variants.model_dump())
+                raise ProfileError(f"{region} was not measured in this profile ({e.evidence.reason})", field=region)
+            return BESIDE[region].point(e.sites.model_dump(), e.variants.model_dump())
         e = self.entry(region)
         if e.sites is None:
             raise ProfileError(
@@ -210,13 +219,14 @@ class Profile(StrictModel):
                 "variants": entry.variants.model_dump(),
                 "evidence": entry.evidence.model_dump(mode="json", exclude_defaults=True),
             }
-        att = self.attention
-        data["attention"] = {
-            "sites": None if att.sites is None else att.sites.model_dump(),
-            "variants": att.variants.model_dump(),
-            "evidence": att.evidence.model_dump(mode="json", exclude_defaults=True),
-        }
-        ordered = {k: data[k] for k in ("schema_version", "engine", "dtype", "regions", "attention", "provenance")}
+        for name in BESIDE:
+            e = self.entry(name)
+            data[name] = {
+                "sites": None if e.sites is None else e.sites.model_dump(),
+                "variants": e.variants.model_dump(),
+                "evidence": e.evidence.model_dump(mode="json", exclude_defaults=True),
+            }
+        ordered = {k: data[k] for k in ("schema_version", "engine", "dtype", "regions", *BESIDE, "provenance")}
         return yaml.safe_dump(ordered, sort_keys=False, default_flow_style=False, width=100, allow_unicode=True)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -229,11 +239,11 @@ class Profile(StrictModel):
 
 def _allowed_here(loc: tuple[Any, ...]) -> str:
     """What is allowed at ``loc``, for messages about unknown keys."""
-    if len(loc) >= 3 and loc[0] == "attention" and loc[1] in ("sites", "variants"):
-        spec = ATTENTION_SPEC
+    if len(loc) >= 3 and loc[0] in BESIDE and loc[1] in ("sites", "variants"):
+        spec = BESIDE[loc[0]]
         names = spec.site_names if loc[1] == "sites" else spec.variant_names
         kind = "site" if loc[1] == "sites" else "variant"
-        return f"unknown {kind} {loc[2]!r} of attention; its {kind}s are: {', '.join(names)}"
+        return f"unknown {kind} {loc[2]!r} of {loc[0]}; its {kind}s are: {', '.join(names)}"
     if len(loc) >= 4 and loc[0] == "regions" and loc[2] in ("sites", "variants") and loc[1] in REGIONS:
         spec = REGIONS[loc[1]]
         names = spec.site_names if loc[2] == "sites" else spec.variant_names
@@ -270,8 +280,11 @@ def _format_error(err: dict[str, Any]) -> tuple[str, str]:
         if loc == ("attention",):
             return field, ("missing attention entry: a version 2 profile records attention, measured or with "
                            "evidence.status: unavailable and a reason")
-        if len(loc) == 3 and loc[:2] == ("attention", "sites"):
-            return field, f"missing site {loc[2]!r} of attention"
+        if loc == ("moe",):
+            return field, ("missing moe entry: a version 4 profile records the MoE experts, measured or with "
+                           "evidence.status: unavailable and a reason")
+        if len(loc) == 3 and loc[0] in BESIDE and loc[1] == "sites":
+            return field, f"missing site {loc[2]!r} of {loc[0]}"
         return field, "required field is missing"
     got = err.get("input")
     if kind == "string_pattern_mismatch":
@@ -312,7 +325,8 @@ def profile_from_data(data: Any, source: str = "<profile>") -> Profile:
 def migrate(data: dict[str, Any], source: str = "<profile>") -> dict[str, Any]:
     """An older profile as the current version. 1 -> 2: the same regions, attention recorded as not
     measured. 2 -> 3: the regions' evidence of an in-situ profile gets ``scope: whole-model`` (what
-    its figures always were: the whole model's, written into every region), any other ``region``."""
+    its figures always were: the whole model's, written into every region), any other ``region``.
+    3 -> 4: the MoE experts recorded as not probed."""
     version = data.get("schema_version")
     if version == 1:
         if "attention" in data:
@@ -337,6 +351,13 @@ def migrate(data: dict[str, Any], source: str = "<profile>") -> dict[str, Any]:
                 migrated[name] = entry
             data = {**data, "regions": migrated}
         data = {**data, "schema_version": 3}
+        version = 3
+    if version == 3:
+        if "moe" in data:
+            raise ProfileError("schema version 3 has no moe entry (it came with version 4); set schema_version: 4 "
+                               "or remove the entry", source=source, field="moe")
+        data = {**data, "schema_version": 4,
+                "moe": {"sites": None, "evidence": {"status": "unavailable", "reason": V3_MOE_REASON}}}
     return data
 
 
@@ -376,9 +397,12 @@ def make_profile(
     provenance: Provenance | dict[str, Any],
     attention: Point | None = None,
     attention_evidence: Evidence | dict[str, Any] | None = None,
+    moe: Point | None = None,
+    moe_evidence: Evidence | dict[str, Any] | None = None,
 ) -> Profile:
     """Build a profile from lattice points (``None`` for an unavailable region) and evidence.
-    ``attention``: its point, or None (then ``attention_evidence`` says why, default: not probed)."""
+    ``attention`` and ``moe``: their points, or None (then ``attention_evidence`` / ``moe_evidence``
+    say why, default: not probed)."""
     evidence = evidence or {}
     regions: dict[str, Any] = {}
     for name, spec in REGIONS.items():
@@ -392,20 +416,22 @@ def make_profile(
             regions[name] = {"sites": None, "evidence": ev}
         else:
             regions[name] = {"sites": spec.site_part(p), "variants": spec.variant_part(p), "evidence": ev}
-    aev = attention_evidence.model_dump() if isinstance(attention_evidence, Evidence) else dict(attention_evidence or {})
-    if attention is None:
-        aev.setdefault("status", "unavailable")
-        aev.setdefault("reason", "not probed")
-        att: dict[str, Any] = {"sites": None, "evidence": aev}
-    else:
-        att = {"sites": ATTENTION_SPEC.site_part(attention), "variants": ATTENTION_SPEC.variant_part(attention),
-               "evidence": aev}
+    beside: dict[str, Any] = {}
+    for name, point, ev_in in (("attention", attention, attention_evidence), ("moe", moe, moe_evidence)):
+        spec = BESIDE[name]
+        bev = ev_in.model_dump() if isinstance(ev_in, Evidence) else dict(ev_in or {})
+        if point is None:
+            bev.setdefault("status", "unavailable")
+            bev.setdefault("reason", "not probed")
+            beside[name] = {"sites": None, "evidence": bev}
+        else:
+            beside[name] = {"sites": spec.site_part(point), "variants": spec.variant_part(point), "evidence": bev}
     data = {
         "schema_version": SCHEMA_VERSION,
         "engine": engine.model_dump() if isinstance(engine, EngineInfo) else engine,
         "dtype": dtype,
         "regions": regions,
-        "attention": att,
+        **beside,
         "provenance": provenance.model_dump() if isinstance(provenance, Provenance) else provenance,
     }
     return profile_from_data(data, "<make_profile>")

@@ -12,7 +12,8 @@ A region the engine cannot run on this device is an :class:`Unavailable` with th
 
 ``attention()`` gives the engine's attention the same way (what exact mode consumes), as
 ``attention(q[Tq, Hq, D], k[Tk, Hk, D], v[Tk, Hk, D], *, scale) -> out[Tq, Hq, D]``: causal, the
-queries being the last Tq of the Tk positions of one sequence.
+queries being the last Tq of the Tk positions of one sequence. ``moe()`` gives the experts of a
+sparse MoE block (see :meth:`Adapter.moe`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ class Adapter:
 
     def attention(self) -> RegionImpl | Unavailable:
         return Unavailable(f"attention is not probed op-level for {self.name}")
+
+    def moe(self) -> RegionImpl | Unavailable:
+        """The engine's MoE experts as it runs a sparse MoE block by default on this device:
+        ``moe(x[T, H], w13[E, 2I, H], w2[E, H, I], topk_weights[T, K] (FP32), topk_ids[T, K]) -> out[T, H]``."""
+        return Unavailable(f"{self.name} has no MoE experts probe")
 
     def attention_cases(self) -> tuple[tuple, ...]:
         """Attention probe cases on top of :data:`attention.ATTENTION_CASES` (same tuple layout), where

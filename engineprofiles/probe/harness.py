@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from .. import PROBE_VERSION, __version__
-from ..regions import REGIONS, Point, add_rmsnorm_ref, rmsnorm_ref, rope_cos_sin, rope_ref, swiglu_ref
+from ..regions import BESIDE, REGIONS, Point, RegionSpec, add_rmsnorm_ref, moe_ref, rmsnorm_ref, rope_cos_sin, rope_ref, swiglu_ref
 from ..rounding import act_dtype, dtype_name, ulp_distance
 from ..schema import Evidence, Profile, make_profile
 from .base import Adapter, RegionImpl, Unavailable
@@ -43,8 +43,15 @@ def cached_reference_outputs(region: str, p: Point, inp: dict[str, Any], key: tu
     return _REF_CACHE[k]
 
 
+def spec_of(region: str) -> RegionSpec:
+    """The spec of a region or of an entry probed the same way beside them (``moe``)."""
+    return REGIONS[region] if region in REGIONS else BESIDE[region]
+
+
 def reference_outputs(region: str, p: Point, inp: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     """The reference's outputs at ``p`` for one probe case, in the engine's output layout."""
+    if region == "moe":
+        return (moe_ref(inp["x"], inp["w13"], inp["w2"], inp["topk_weights"], inp["topk_ids"], p),)
     if region == "rope":
         cos, sin = rope_cos_sin(inp["positions"], inp["q"].shape[-1], inp["base"])
         return (
@@ -62,6 +69,8 @@ def call_engine(region: str, impl: RegionImpl, inp: dict[str, Any], device: str)
     dev = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
     if region == "rope":
         out = impl.fn(dev["positions"], dev["q"].clone(), dev["k"].clone(), base=dev["base"], style=dev["style"])
+    elif region == "moe":
+        out = impl.fn(dev["x"].clone(), dev["w13"], dev["w2"], dev["topk_weights"].clone(), dev["topk_ids"].clone())
     elif region == "swiglu":
         out = impl.fn(dev["gate"], dev["up"])
     elif region == "rmsnorm":
@@ -111,7 +120,7 @@ def probe_region(
     region: str, impl: RegionImpl, dtype: torch.dtype, device: str, seed: int, quick: bool = False,
     progress: Progress | None = None, sweep: list[dict[str, Any]] | None = None,
 ) -> RegionResult:
-    spec = REGIONS[region]
+    spec = spec_of(region)
     points = spec.all_points()
     res = RegionResult(region, impl)
     t0 = time.perf_counter()
@@ -159,7 +168,7 @@ class Decision:
 
 def decide(r: RegionResult) -> Decision:
     """Pick the winner and write the evidence, flagging anything that is not clear-cut."""
-    spec = REGIONS[r.region]
+    spec = spec_of(r.region)
     path = r.impl.path if r.impl else None
     if r.unavailable is not None:
         return Decision(None, Evidence(status="unavailable", reason=r.unavailable, path=path))
@@ -255,6 +264,16 @@ def run_probe(
         d = decide(results[name])
         points[name], evidence[name] = d.winner, d.evidence
     att_point, att_ev = _attention(adapter, regions, dt, seed, quick, progress)
+    moe_impl = adapter.moe() if regions is None or "moe" in regions else Unavailable("not probed in this run (--region)")
+    if isinstance(moe_impl, Unavailable):
+        results["moe"] = RegionResult("moe", None, unavailable=str(moe_impl))
+        if progress:
+            progress(f"moe: unavailable ({moe_impl})")
+    else:
+        if progress:
+            progress(f"moe: probing {moe_impl.path}")
+        results["moe"] = probe_region("moe", moe_impl, dt, device, seed, quick, progress, adapter.sweep("moe"))
+    moe = decide(results["moe"])
     profile = make_profile(
         engine=dict(
             name=info.name, version=info.version, backend=info.backend, device=info.device,
@@ -265,6 +284,8 @@ def run_probe(
         evidence=evidence,
         attention=att_point,
         attention_evidence=att_ev,
+        moe=moe.winner,
+        moe_evidence=moe.evidence,
         provenance=dict(
             date=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
             probe_version=PROBE_VERSION,

@@ -56,6 +56,17 @@ SWEEP: dict[str, list[dict[str, Any]]] = {
     },
 }
 
+# The MoE experts (recorded beside the regions). ``one_hot``: every token is a scaled basis vector
+# and each expert's down projection a 0/1 selection, so both GEMMs are exact whatever their
+# summation order and the rounding sites show alone; the other cases show the GEMMs' order.
+# Hidden and intermediate sizes are multiples of 32 (vLLM's CPU fused-MoE kernel needs it).
+SWEEP["moe"] = [
+    dict(tokens=64, hidden=128, inter=64, experts=4, topk=2, one_hot=True),
+    dict(tokens=1, hidden=256, inter=128, experts=4, topk=2),
+    dict(tokens=33, hidden=512, inter=256, experts=8, topk=2),
+    dict(tokens=16, hidden=384, inter=96, experts=6, topk=3),
+]
+
 ROPE_BASE = 1000000.0
 EPS = 1e-6
 
@@ -101,6 +112,8 @@ def make_inputs(case: Case, dtype: torch.dtype, seed: int) -> dict[str, Any]:
         k = _with_outliers(torch.randn(t, s["kv_heads"], s["head_dim"], generator=g) * 4, g, 0.01, 20)
         base = s.get("base", ROPE_BASE)
         return dict(positions=pos, q=_act(q, dtype), k=_act(k, dtype), base=base, style=s["style"])
+    if case.region == "moe":
+        return _moe_inputs(s, dtype, g)
     if case.region == "swiglu":
         shape = (s["tokens"], s["inter"])
         gate = _with_outliers(torch.randn(shape, generator=g) * 3, g, 0.01, 6)
@@ -148,3 +161,24 @@ def make_inputs(case: Case, dtype: torch.dtype, seed: int) -> dict[str, Any]:
     xf = x.flatten().clone()
     xf[idx] = _act(half_ulp * torch.sign(torch.randn(n_ties, generator=g)), dtype)
     return dict(x=xf.view(shape), residual=res, weight=w, eps=eps)
+
+
+def _moe_inputs(s: dict[str, Any], dtype: torch.dtype, g: torch.Generator) -> dict[str, Any]:
+    t, h, i, e, k = s["tokens"], s["hidden"], s["inter"], s["experts"], s["topk"]
+    if s.get("one_hot"):
+        x = torch.zeros(t, h)
+        x[torch.arange(t), torch.randint(0, h, (t,), generator=g)] = torch.randn(t, generator=g) * 3
+        w13 = torch.randn(e, 2 * i, h, generator=g) * 0.7
+        w2 = torch.zeros(e, h, i)
+        for j in range(e):
+            w2[j, torch.arange(h), torch.randperm(h, generator=g) % i] = 1.0
+    else:
+        x = _with_outliers(torch.randn(t, h, generator=g), g, 0.01, 10)
+        w13 = torch.randn(e, 2 * i, h, generator=g) * (1.5 / h ** 0.5)
+        w2 = torch.randn(e, h, i, generator=g) * (1.0 / i ** 0.5)
+    # The router's FP32 weights: softmax over random logits, top-k, renormalized.
+    probs = torch.softmax(torch.randn(t, e, generator=g) * 1.5, dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return dict(x=_act(x, dtype), w13=_act(w13, dtype), w2=_act(w2, dtype), topk_weights=weights.contiguous(),
+                topk_ids=ids.contiguous())

@@ -95,7 +95,9 @@ def test_unknown_precision_names_the_allowed_ones(profile_file, tmp_path):
 
 
 def test_future_schema_version_is_refused(profile_file, tmp_path):
-    path = _mutate(profile_file, tmp_path, lambda d: d.__setitem__("schema_version", 4))
+    from engineprofiles.schema import SCHEMA_VERSION
+
+    path = _mutate(profile_file, tmp_path, lambda d: d.__setitem__("schema_version", SCHEMA_VERSION + 1))
     with pytest.raises(ProfileError) as e:
         load_profile(path)
     msg = str(e.value)
@@ -429,13 +431,15 @@ def test_evidence_scope_says_what_the_rates_count_and_version_2_in_situ_files_mi
     for prof, want in ((op, "region"), (insitu, "whole-model")):
         data = yaml.safe_load(prof.to_yaml())
         data["schema_version"] = 2
+        data.pop("moe")  # came with version 4
         for n in REGIONS:
             data["regions"][n]["evidence"].pop("scope", None)
         back = profile_from_yaml(yaml.safe_dump(data), "v2.yaml")
-        assert back.schema_version == 3 and {back.entry(n).evidence.scope for n in REGIONS} == {want}
+        assert back.schema_version == 4 and {back.entry(n).evidence.scope for n in REGIONS} == {want}
         assert ("whole-model" in back.to_yaml()) == (want == "whole-model")
     data = yaml.safe_load(insitu.to_yaml())
     data["schema_version"] = 2
+    data.pop("moe")
     with pytest.raises(ProfileError, match="scope") as e:
         profile_from_yaml(yaml.safe_dump(data), "v2-with-scope.yaml")
     assert "v2-with-scope.yaml" in str(e.value)
@@ -446,3 +450,29 @@ def test_an_unknown_scope_is_refused(profile_file, tmp_path):
     with pytest.raises(ProfileError) as e:
         load_profile(path)
     assert "scope" in str(e.value)
+
+
+def test_version_3_files_migrate_with_the_moe_experts_not_probed_and_a_version_3_file_with_moe_is_refused():
+    """Schema 4 adds the ``moe`` entry (a sparse MoE block's experts). A version 3 file loads with it
+    recorded as not probed; one that has the entry is refused (it came with 4); a version 4 file
+    without it is refused naming the entry."""
+    from engineprofiles.store import get_profile
+
+    prof = get_profile("vllm-0.32.0-cpu-inductor-bfloat16")
+    data = yaml.safe_load(prof.to_yaml())
+    data["schema_version"] = 3
+    data.pop("moe")
+    back = profile_from_yaml(yaml.safe_dump(data), "v3.yaml")
+    assert back.schema_version == 4 and not back.available("moe")
+    assert "schema version 3" in back.moe.evidence.reason
+    with pytest.raises(ProfileError, match="not measured"):
+        back.point("moe")
+    data["schema_version"] = 3
+    data["moe"] = yaml.safe_load(prof.to_yaml())["moe"]
+    with pytest.raises(ProfileError, match="came with version 4") as e:
+        profile_from_yaml(yaml.safe_dump(data), "v3-with-moe.yaml")
+    assert "v3-with-moe.yaml" in str(e.value)
+    data["schema_version"] = 4
+    data.pop("moe")
+    with pytest.raises(ProfileError, match="missing moe entry"):
+        profile_from_yaml(yaml.safe_dump(data), "v4-without-moe.yaml")

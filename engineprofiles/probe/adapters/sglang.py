@@ -144,6 +144,38 @@ class SglangAdapter(Adapter):
             "rmsnorm": RegionImpl(rmsnorm, f"sglang RMSNorm ({how})"),
         }
 
+    def moe(self) -> RegionImpl | Unavailable:
+        """The experts of an unquantized sparse MoE block as SGLang's CPU engine runs them: on a host
+        without AMX its unquantized MoE method's ``forward_cpu`` calls ``moe_forward_native`` (with
+        AMX it calls sgl_kernel's ``fused_experts_cpu``, which this CPU build does not carry), fed the
+        FP32 top-k weights its torch-native top-k returns."""
+        if self.device != "cpu":
+            return Unavailable(f"the MoE experts are probed op-level on CPU only (device {self.device})")
+        if self.mode != "default":
+            return Unavailable("the MoE experts are probed in the default mode")
+        from sglang.srt.utils import cpu_has_amx_support
+
+        if cpu_has_amx_support():
+            return Unavailable("this CPU has AMX: SGLang runs the experts in sgl_kernel's fused_experts_cpu, which "
+                               "the CPU build used here does not carry")
+        try:
+            from sglang.srt.layers.moe.fused_moe_native import moe_forward_native
+            from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+        except ImportError as e:  # pragma: no cover - another SGLang layout
+            return Unavailable(f"SGLang's native MoE forward is not importable here ({e})")
+
+        class _Layer:  # the attributes moe_forward_native reads from a FusedMoE layer
+            def __init__(self, w13, w2):
+                self.w13_weight, self.w2_weight, self.num_experts = w13, w2, w13.shape[0]
+
+        def moe(x, w13, w2, topk_weights, topk_ids):
+            cfg = MoeRunnerConfig(num_experts=w13.shape[0], top_k=topk_ids.shape[1], activation="silu")
+            with torch.no_grad():
+                return moe_forward_native(_Layer(w13, w2), x, (topk_weights.float(), topk_ids, None), cfg)
+
+        return RegionImpl(moe, f"sglang moe_forward_native (UnquantizedFusedMoEMethod.forward_cpu without AMX, {self._dispatch()})",
+                          [f"called outside the engine with {torch.get_num_threads()} threads"])
+
     def attention_cases(self) -> tuple[tuple, ...]:
         return ATTENTION_CASES
 

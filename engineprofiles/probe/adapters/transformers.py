@@ -184,6 +184,56 @@ class TransformersAdapter(Adapter):
     def attention(self) -> RegionImpl | Unavailable:
         return _attention(self)
 
+    def moe(self) -> RegionImpl | Unavailable:
+        """The experts of Qwen3-MoE's sparse MoE block as HF runs them: the experts module of a model
+        built the way ``from_config``/``from_pretrained`` build it (HF then picks its default experts
+        implementation for the device, read back into the path), with the router's last step applied
+        to the FP32 top-k weights (Qwen3MoeTopKRouter casts them to the activation dtype). With a
+        given model: its first experts module, called the same way."""
+        from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+        given = None
+        if self.model is not None:
+            given = next((m for m in self.model.modules() if type(m).__name__.endswith("Experts")
+                          and hasattr(m, "gate_up_proj")), None)
+            if given is None:
+                return Unavailable(f"{type(self.model).__name__} has no sparse MoE experts module")
+        impl_name: list[str] = []
+
+        def moe(x, w13, w2, topk_weights, topk_ids):
+            experts = given
+            if experts is None:
+                e, two_i, h = w13.shape
+                cfg = Qwen3MoeConfig(hidden_size=h, intermediate_size=two_i, moe_intermediate_size=two_i // 2,
+                                     num_experts=e, num_experts_per_tok=topk_ids.shape[1], num_hidden_layers=1,
+                                     num_attention_heads=1, num_key_value_heads=1, head_dim=32, vocab_size=32)
+                model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype).to(self.device)
+                experts = model.model.layers[0].mlp.experts
+                impl_name[:] = [str(model.config._experts_implementation)]
+            with torch.no_grad():
+                saved = experts.gate_up_proj.data, experts.down_proj.data
+                experts.gate_up_proj.data, experts.down_proj.data = w13, w2
+                try:
+                    return experts(x, topk_ids, topk_weights.to(x.dtype))
+                finally:
+                    experts.gate_up_proj.data, experts.down_proj.data = saved
+
+        default = "the default experts implementation"
+        if given is None:
+            try:
+                from transformers import AutoModelForCausalLM as _A  # noqa: F401
+                probe_cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=2,
+                                           num_experts_per_tok=1, num_hidden_layers=1, num_attention_heads=1,
+                                           num_key_value_heads=1, head_dim=32, vocab_size=32)
+                default = f"experts_implementation {AutoModelForCausalLM.from_config(probe_cfg).config._experts_implementation}"
+            except Exception as e:  # pragma: no cover - another transformers layout
+                return Unavailable(f"cannot build a Qwen3-MoE model here ({e})")
+        else:
+            default = f"experts_implementation {getattr(given.config, '_experts_implementation', None)}"
+        owner = type(given).__name__ if given is not None else "Qwen3MoeExperts"
+        return RegionImpl(moe, f"transformers {owner}.forward ({default}), router weights cast as Qwen3MoeTopKRouter casts them",
+                          [f"model family qwen3_moe, {torch.get_num_threads()} threads"])
+
     # -- building the family's modules for a probe shape ---------------------------------------
     def _parts(self, hidden: int, heads: int = 1, kv: int = 1, head_dim: int = 64, inter: int = 64,
                base: float = 10000.0, eps: float = 1e-6):

@@ -236,6 +236,45 @@ class VllmAdapter(Adapter):
             "rmsnorm": RegionImpl(rmsnorm, f"vllm {method(probe_norm)} ({how})", notes),
         }
 
+    # -- MoE experts ---------------------------------------------------------------------------
+    def moe(self) -> RegionImpl | Unavailable:
+        """The experts of an unquantized sparse MoE block as vLLM runs them on this device: the
+        first of the oracle's CPU expert classes (AMX, Arm, Power, then the portable vector one)
+        that supports the device, its own weight prepacking and its fused kernel with the ISA the
+        class names. The router's FP32 top-k weights and int32 ids go in as its CPU router hands
+        them over. The fused kernel runs eagerly in both of vLLM's modes (an opaque op in the
+        compiled graph). CPU only."""
+        if self.device != "cpu":
+            return Unavailable(f"the MoE experts are probed op-level on CPU only (device {self.device})")
+        try:
+            from vllm import _custom_ops as ops
+            from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+        except ImportError as e:  # pragma: no cover - another vLLM layout
+            return Unavailable(f"vLLM's CPU fused-MoE experts are not importable here ({e})")
+        order = [getattr(cpu_moe, n) for n in ("X86CPUUnquantizedExperts", "ArmCPUUnquantizedExperts",
+                                               "PowerCPUUnquantizedExperts", "CPUUnquantizedExperts")
+                 if hasattr(cpu_moe, n)]
+        chosen = next((c for c in order if c._supports_current_device()), None)
+        if chosen is None:
+            return Unavailable("none of vLLM's unquantized CPU expert classes supports this device")
+        isa = chosen.isa
+
+        def moe(x, w13, w2, topk_weights, topk_ids):
+            out = torch.empty_like(x)
+            ops.cpu_fused_moe(out, x.contiguous(), ops.cpu_prepack_moe_weight(w13.contiguous(), isa),
+                              ops.cpu_prepack_moe_weight(w2.contiguous(), isa), None, None,
+                              topk_weights.to(torch.float32).contiguous(), topk_ids.to(torch.int32).contiguous(),
+                              "silu", isa, False)
+            return out
+
+        return RegionImpl(
+            moe,
+            f"vllm {chosen.__name__} (torch.ops._C.cpu_fused_moe after prepack_moe_weight, isa {isa})",
+            [f"called outside the engine with the expert class's own prepacking and kernel, {torch.get_num_threads()} "
+             "threads; the experts run eagerly in both of vLLM's modes (an opaque op in the compiled graph); "
+             "zentorch's MoE (used instead where zentorch is installed) is not probed"],
+        )
+
     # -- attention ----------------------------------------------------------------------------
     def attention(self) -> RegionImpl | Unavailable:
         """The engine's attention backend kernel on this device, called the way its backend calls
