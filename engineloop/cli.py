@@ -556,14 +556,15 @@ MODE_HELP = {
 def _check_arguments(engine: str, device: str, dtype: str, mode: str, family: str,
                      region: Optional[list[str]]) -> None:
     """The checks that need no torch and no engine: run before handing over to an engine's environment."""
-    from engineprofiles.names import check_device_name, check_dtype_name, check_family_name, check_mode_name, check_region_name
+    from engineprofiles.names import (check_device_name, check_dtype_name, check_family_name, check_mode_name,
+                                      check_probe_region_name)
 
     check_dtype_name(dtype)
     check_mode_name(engine, mode)
     check_device_name(device)
     check_family_name(family)
     for r in region or []:
-        check_region_name(r)
+        check_probe_region_name(r)
 
 
 def _check_cuda(device: str) -> None:
@@ -768,7 +769,7 @@ def _engine_command(engine: str):
         ship: bool = typer.Option(False, "--ship", help=SHIP_HELP),
         seed: int = typer.Option(0, help="seed of the probe inputs"),
         quick: bool = typer.Option(False, help="fewer shapes (for smoke tests)"),
-        region: Optional[list[str]] = typer.Option(None, help="probe only this region (repeatable)"),
+        region: Optional[list[str]] = typer.Option(None, help="probe only this region (repeatable): rope, swiglu, add_rmsnorm, rmsnorm, attention or moe; the others are recorded as not probed"),
         env: Optional[str] = typer.Option(
             None, help="engine environment (venv folder, python or version) when the engine is not importable here"
         ),
@@ -831,7 +832,7 @@ def _register_engines() -> None:
         ship: bool = typer.Option(False, "--ship", help=SHIP_HELP),
         seed: int = typer.Option(0, help="seed of the probe inputs"),
         quick: bool = typer.Option(False, help="fewer shapes (for smoke tests)"),
-        region: Optional[list[str]] = typer.Option(None, help="probe only this region (repeatable)"),
+        region: Optional[list[str]] = typer.Option(None, help="probe only this region (repeatable): rope, swiglu, add_rmsnorm, rmsnorm, attention or moe; the others are recorded as not probed"),
         family: str = typer.Option("qwen2", help=f"model family whose modules are probed: {', '.join(FAMILY_NAMES)}"),
         print_yaml: bool = typer.Option(False, "--yaml", help="also print the YAML"),
         apply: Optional[str] = typer.Option(

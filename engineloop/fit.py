@@ -319,6 +319,13 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
     else:
         att_point, att_ev = None, {"status": "unavailable",
                                    "reason": "the capture holds no attention calls of the engine"}
+    # The MoE experts are not fitted in situ (the tiny models are dense): the op-level entry the fit
+    # started from is carried over, saying so. Engines run their fused-MoE experts as an opaque op,
+    # outside what a compiled graph fuses, so the op-level result holds in the whole model too.
+    moe_ev = start.moe.evidence.model_dump()
+    if start.available("moe"):
+        moe_ev["notes"] = [*moe_ev.get("notes", []), f"op-level, carried over from {start.canonical_name} (the "
+                           "in-situ fit runs dense models; the experts are not fitted in situ)"]
     return make_profile(
         engine=start.engine.model_copy(update=update),
         dtype=start.dtype,
@@ -326,6 +333,8 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
         evidence=evidence,
         attention=att_point,
         attention_evidence=att_ev,
+        moe=start.point("moe") if start.available("moe") else None,
+        moe_evidence=moe_ev,
         provenance=dict(
             date=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
             probe_version=PROBE_VERSION, package_version=__version__, method="in-situ", command=command,

@@ -13,6 +13,8 @@ import re
 from .errors import ArgumentError, PointError, UnsupportedDtype
 
 REGION_NAMES = ("rope", "swiglu", "add_rmsnorm", "rmsnorm")
+# Probed like the regions and recorded beside them (engineprofiles.regions.BESIDE).
+BESIDE_NAMES = ("attention", "moe")
 ACT_DTYPE_NAMES = ("bfloat16", "float16")
 FAMILY_NAMES = ("qwen2", "qwen3", "llama", "mistral")
 # The RoPE scalings a tiny model can carry (engineprofiles.models.ROPE_SCALINGS; CLI --rope-scaling).
@@ -38,6 +40,13 @@ SAFE_NAME = r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}"
 def check_region_name(name: str) -> str:
     if name not in REGION_NAMES:
         raise PointError(f"unknown region {name!r}; regions are {', '.join(REGION_NAMES)}")
+    return name
+
+
+def check_probe_region_name(name: str) -> str:
+    """A name ``--region`` accepts: a region, or an entry probed beside them (attention, moe)."""
+    if name not in REGION_NAMES + BESIDE_NAMES:
+        raise ArgumentError(f"unknown region {name!r}; --region takes {', '.join(REGION_NAMES + BESIDE_NAMES)}")
     return name
 
 

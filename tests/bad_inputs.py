@@ -841,8 +841,8 @@ def _cases() -> list[Case]:
     add("file-unknown-site", PF, "an unknown site in a region",
         _load(lambda ctx: _write(ctx, "p.yaml", _mutated(lambda d: d["regions"]["swiglu"]["sites"].update(gate="fp32")))),
         Raises(ProfileError, "unknown site 'gate'"))
-    add("file-future-version", PF, "a future schema_version (4)",
-        _load(lambda ctx: _write(ctx, "p.yaml", _mutated(lambda d: d.update(schema_version=4)))),
+    add("file-future-version", PF, "a future schema_version (5)",
+        _load(lambda ctx: _write(ctx, "p.yaml", _mutated(lambda d: d.update(schema_version=5)))),
         Raises(ProfileError, "not supported"))
     add("file-version-string", PF, "schema_version as a string ('2')",
         _load(lambda ctx: _write(ctx, "p.yaml", _mutated(lambda d: d.update(schema_version="2")))),
@@ -882,8 +882,8 @@ def _cases() -> list[Case]:
     add("cli-show-unknown-key", CLI, "`show` of a profile with an unknown key",
         _cli(lambda ctx: ["show", str(_write(ctx, "p.yaml", good_yaml() + "colour: blue\n"))]),
         CliExit(2, "unknown key 'colour'"))
-    add("cli-show-future-version", CLI, "`show` of a profile with schema_version 4",
-        _cli(lambda ctx: ["show", str(_write(ctx, "p.yaml", _mutated(lambda d: d.update(schema_version=4))))]),
+    add("cli-show-future-version", CLI, "`show` of a profile with schema_version 5",
+        _cli(lambda ctx: ["show", str(_write(ctx, "p.yaml", _mutated(lambda d: d.update(schema_version=5))))]),
         CliExit(2, "not supported"))
     add("cli-show-directory", CLI, "`show` of a folder", _cli(lambda ctx: ["show", str(_folder(ctx))]),
         CliExit(2, "is a folder"))
@@ -918,8 +918,8 @@ def _cases() -> list[Case]:
     add("cli-dtype-float32", CLI, "`transformers --dtype float32`",
         _cli(lambda ctx: ["transformers", "--dtype", "float32", "-o", str(ctx.work)]),
         CliExit(2, "activation dtype 'float32' is not supported"))
-    add("cli-region-unknown", CLI, "`transformers --region attention`",
-        _cli(lambda ctx: ["transformers", "--region", "attention", "-o", str(ctx.work)]), CliExit(2, "unknown region"))
+    add("cli-region-unknown", CLI, "`transformers --region mlp`",
+        _cli(lambda ctx: ["transformers", "--region", "mlp", "-o", str(ctx.work)]), CliExit(2, "unknown region"))
     add("cli-device-unknown", CLI, "`transformers --device tpu`",
         _cli(lambda ctx: ["transformers", "--device", "tpu", "-o", str(ctx.work)]), CliExit(2, "unknown device"))
     add("cli-apply-binary", CLI, "`transformers --apply` a binary file",

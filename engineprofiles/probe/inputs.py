@@ -58,13 +58,17 @@ SWEEP: dict[str, list[dict[str, Any]]] = {
 
 # The MoE experts (recorded beside the regions). ``one_hot``: every token is a scaled basis vector
 # and each expert's down projection a 0/1 selection, so both GEMMs are exact whatever their
-# summation order and the rounding sites show alone; the other cases show the GEMMs' order.
+# summation order and the rounding sites show alone; the other cases show the GEMMs' order and
+# the combine's.
 # Hidden and intermediate sizes are multiples of 32 (vLLM's CPU fused-MoE kernel needs it).
 SWEEP["moe"] = [
     dict(tokens=64, hidden=128, inter=64, experts=4, topk=2, one_hot=True),
     dict(tokens=1, hidden=256, inter=128, experts=4, topk=2),
     dict(tokens=33, hidden=512, inter=256, experts=8, topk=2),
     dict(tokens=16, hidden=384, inter=96, experts=6, topk=3),
+    # Many tokens of a narrow model, four experts each: the order and the contraction of the FP32
+    # weighted sum change its last bits, which few outputs show once rounded; many cheap ones do.
+    dict(tokens=2048, hidden=32, inter=32, experts=8, topk=4),
 ]
 
 ROPE_BASE = 1000000.0

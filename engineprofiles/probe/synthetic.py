@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..regions import REGIONS, Point
-from .base import Adapter, EngineInfo, RegionImpl
+from .base import Adapter, EngineInfo, RegionImpl, Unavailable
 from .harness import reference_outputs
 
 
@@ -87,3 +87,12 @@ class SyntheticAdapter(Adapter):
 
         fns = dict(rope=rope, swiglu=swiglu, rmsnorm=rmsnorm, add_rmsnorm=add_rmsnorm)
         return {n: RegionImpl(fns[n], f"synthetic {self.points[n].label()}") for n in REGIONS if n in self.points}
+
+    def moe(self) -> RegionImpl | Unavailable:
+        if "moe" not in self.points:
+            return super().moe()
+
+        def moe(x, w13, w2, topk_weights, topk_ids):
+            return self._run("moe", dict(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids))[0]
+
+        return RegionImpl(moe, f"synthetic {self.points['moe'].label()}")

@@ -86,6 +86,8 @@ def test_list_shows_capability_and_method_and_never_cuts_a_name_when_piped(shipp
 def test_list_json_is_a_list_json_load_accepts(shipped):
     import json
 
+    from engineprofiles.schema import SCHEMA_VERSION
+
     d, name = shipped
     (d / "zz-broken.yaml").write_text("schema_version: 9\n")
     r = runner.invoke(app, ["list", "--json"], env={"COLUMNS": "40"})
@@ -95,7 +97,7 @@ def test_list_json_is_a_list_json_load_accepts(shipped):
     good, bad = rows
     assert {k: good[k] for k in ("engine", "version", "mode", "dtype", "device", "capability", "method", "schema")} == {
         "engine": "synthetic", "version": "0.0", "mode": "eager", "dtype": "bfloat16", "device": "cpu",
-        "capability": None, "method": "synthetic", "schema": 3}
+        "capability": None, "method": "synthetic", "schema": SCHEMA_VERSION}
     assert good["path"] == str(d / f"{name}.yaml")
     assert "schema_version" in bad["error"] and bad["path"] == str(d / "zz-broken.yaml")
 

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from engineloop.cli import app
 from engineloop import runner as probe_runner
+from engineprofiles.schema import SCHEMA_VERSION
 
 cli = CliRunner()
 
@@ -54,8 +55,19 @@ def test_output_under_a_file_fails_before_probing(tmp_path, monkeypatch):
 def test_unknown_dtype_and_region_are_refused(tmp_path):
     r = cli.invoke(app, ["transformers", "--dtype", "fp8", "-o", str(tmp_path)])
     assert r.exit_code == 2 and "fp8" in r.output
-    r = cli.invoke(app, ["transformers", "--region", "attention", "-o", str(tmp_path)])
-    assert r.exit_code == 2 and "attention" in r.output
+    r = cli.invoke(app, ["transformers", "--region", "mlp", "-o", str(tmp_path)])
+    assert r.exit_code == 2 and "mlp" in r.output and "moe" in r.output  # the message lists what --region takes
+
+
+def test_region_moe_probes_the_moe_experts_alone(tmp_path):
+    r = cli.invoke(app, ["transformers", "--quick", "--region", "moe", "-o", str(tmp_path)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    from engineprofiles.schema import load_profile
+
+    prof = load_profile(next(tmp_path.glob("*.yaml")))
+    assert prof.available("moe") and prof.moe.evidence.match_rate == 1.0
+    assert prof.point("moe")["gate_up"] == "rounded"  # HF's experts: BF16 GEMMs
+    assert not prof.available("swiglu") and not prof.available("attention")
 
 
 def test_transformers_probe_writes_the_hf_profile(tmp_path):
@@ -80,8 +92,8 @@ def test_bad_arguments_are_refused_before_handing_over_to_an_engine_environment(
     monkeypatch.delenv("ENGINEPROFILES_REEXEC", raising=False)
     r = cli.invoke(app, ["vllm", "--op-level", "--dtype", "fp8", "-o", str(tmp_path)])
     assert r.exit_code == 2 and "fp8" in r.output and "not installed" not in r.output
-    r = cli.invoke(app, ["vllm", "--op-level", "--region", "attention", "-o", str(tmp_path)])
-    assert r.exit_code == 2 and "attention" in r.output and "not installed" not in r.output
+    r = cli.invoke(app, ["vllm", "--op-level", "--region", "mlp", "-o", str(tmp_path)])
+    assert r.exit_code == 2 and "mlp" in r.output and "not installed" not in r.output
 
 
 def test_region_names_agree_with_the_region_specs():
@@ -191,7 +203,7 @@ def test_a_profile_written_over_a_file_keeps_its_mode(tmp_path, mode):
     os.chmod(out, mode)
     r = cli.invoke(app, ["transformers", *QUICK, "-o", str(out)])
     assert r.exit_code == 0, r.output
-    assert os.stat(out).st_mode & 0o7777 == mode and yaml.safe_load(out.read_text())["schema_version"] == 3
+    assert os.stat(out).st_mode & 0o7777 == mode and yaml.safe_load(out.read_text())["schema_version"] == SCHEMA_VERSION
 
 
 def test_a_new_profile_honours_the_umask(tmp_path):

@@ -261,10 +261,11 @@ class VllmAdapter(Adapter):
 
         def moe(x, w13, w2, topk_weights, topk_ids):
             out = torch.empty_like(x)
-            ops.cpu_fused_moe(out, x.contiguous(), ops.cpu_prepack_moe_weight(w13.contiguous(), isa),
-                              ops.cpu_prepack_moe_weight(w2.contiguous(), isa), None, None,
-                              topk_weights.to(torch.float32).contiguous(), topk_ids.to(torch.int32).contiguous(),
-                              "silu", isa, False)
+            # The op itself (its Python wrapper's signature changed between versions; the op's did not).
+            torch.ops._C.cpu_fused_moe(out, x.contiguous(), ops.cpu_prepack_moe_weight(w13.contiguous(), isa),
+                                       ops.cpu_prepack_moe_weight(w2.contiguous(), isa), None, None,
+                                       topk_weights.to(torch.float32).contiguous(),
+                                       topk_ids.to(torch.int32).contiguous(), False, "silu", isa)
             return out
 
         return RegionImpl(

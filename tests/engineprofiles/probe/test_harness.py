@@ -137,3 +137,49 @@ def test_standard_sweep_covers_token_counts_hidden_sizes_head_dims_and_gqa():
     assert any(c["q_heads"] != c["kv_heads"] for c in SWEEP["rope"])
     assert {c["style"] for c in SWEEP["rope"]} == {"neox", "interleaved"}
     assert max(c["max_pos"] for c in SWEEP["rope"]) > 32768
+
+
+# -- the MoE experts (recorded beside the regions) ---------------------------------------------
+MOE_SMALL = [dict(tokens=12, hidden=64, inter=32, experts=3, topk=2, one_hot=True),
+             dict(tokens=9, hidden=96, inter=64, experts=4, topk=3)]
+
+
+def _moe_points():
+    """The three points measured on real engines, and each with one site flipped."""
+    from engineprofiles.regions import MOE_SPEC
+
+    F, R = "fp32", "rounded"
+    measured = [
+        MOE_SPEC.point(dict(gate_up=F, silu=F, expert_out=F, routing_weight=F, weighted=F, combine=F),
+                       dict(gemm_order="sequential", combine_fma="fma")),  # vLLM's fused kernel
+        MOE_SPEC.point(dict(gate_up=R, silu=R, expert_out=R, routing_weight=F, weighted=F, combine=F),
+                       dict(gemm_order="library", combine_fma="none")),  # SGLang's native MoE
+        MOE_SPEC.point(dict(gate_up=R, silu=R, expert_out=R, routing_weight=R, weighted=R, combine=F),
+                       dict(gemm_order="library", combine_fma="none")),  # HF's grouped_mm experts
+    ]
+    out = []
+    for p in measured:
+        out.append(p)
+        for site in MOE_SPEC.site_names:
+            out.append(MOE_SPEC.canonicalize(p.replace(**{site: R if p[site] == F else F})))
+    return list(dict.fromkeys(out))
+
+
+@pytest.mark.parametrize("p", _moe_points(), ids=lambda p: p.label().replace(" ", ","))
+def test_probe_recovers_the_moe_sites_of_a_synthetic_engine(p):
+    from engineprofiles.regions import MOE_SPEC
+
+    prof, _ = run_probe(SyntheticAdapter({"moe": p}, sweeps={"moe": MOE_SMALL}), regions=["moe"])
+    ev = prof.moe.evidence
+    got = prof.point("moe")
+    assert MOE_SPEC.site_part(got) == MOE_SPEC.site_part(p), (p, got)
+    assert got == p or _variant_label(MOE_SPEC, p) in ev.indistinguishable, (p, got, ev.indistinguishable)
+    assert ev.match_rate == 1.0 and ev.max_ulp == 0 and not ev.ambiguous, ev
+    assert ev.runner_up_match_rate is not None and ev.runner_up_match_rate < 1.0
+    # The dense regions were not probed in this run, and say so.
+    assert not prof.available("swiglu") and "--region" in prof.entry("swiglu").evidence.reason
+
+
+def test_an_engine_without_moe_experts_records_them_unavailable_with_the_reason():
+    prof, _ = run_probe(SyntheticAdapter({"swiglu": SWIGLU_SPEC.point(silu="fp32")}, sweeps=SMALL), regions=["swiglu", "moe"])
+    assert not prof.available("moe") and prof.moe.evidence.reason == "synthetic has no MoE experts probe"
