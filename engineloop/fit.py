@@ -323,7 +323,14 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
     # started from is carried over, saying so. Engines run their fused-MoE experts as an opaque op,
     # outside what a compiled graph fuses, so the op-level result holds in the whole model too.
     moe_ev = start.moe.evidence.model_dump()
-    if start.available("moe"):
+    moe_point = start.point("moe") if start.available("moe") else None
+    start_cap, cap = start.engine.settings.get("cpu_capability"), eng.get("cpu_capability")
+    if moe_point is not None and cap is not None and start_cap != cap:
+        # The fused kernels dispatch by ISA: a result measured on another capability is not known here.
+        moe_point, moe_ev = None, {"status": "unavailable", "reason": (
+            f"not probed on {cap}: the op-level profile {start.canonical_name} measured the MoE experts on "
+            f"{start_cap}; probe them op-level on {cap}")}
+    elif moe_point is not None:
         moe_ev["notes"] = [*moe_ev.get("notes", []), f"op-level, carried over from {start.canonical_name} (the "
                            "in-situ fit runs dense models; the experts are not fitted in situ)"]
     return make_profile(
@@ -333,7 +340,7 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
         evidence=evidence,
         attention=att_point,
         attention_evidence=att_ev,
-        moe=start.point("moe") if start.available("moe") else None,
+        moe=moe_point,
         moe_evidence=moe_ev,
         provenance=dict(
             date=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),

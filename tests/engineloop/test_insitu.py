@@ -131,6 +131,20 @@ def test_an_in_situ_profile_records_the_machine_the_engine_ran_on(model, planted
     assert prof.engine.settings["cpu_capability"] == "TEST_ISA" != target.engine.settings["cpu_capability"]
     assert prof.engine.torch_version == "9.9.9+test"
     assert prof.engine.settings["in_situ_family"] == "qwen2" and prof.provenance.method == "in-situ"
+    # The MoE experts measured op-level on another capability are not carried over: not known here.
+    assert target.available("moe") and not prof.available("moe") and "TEST_ISA" in prof.moe.evidence.reason
+
+
+def test_an_in_situ_profile_carries_the_op_level_moe_entry_measured_on_the_same_capability(model, planted):
+    from engineloop.fit import in_situ_profile
+
+    target, cap = planted
+    cap = dict(cap, engine=dict(cap["engine"], cpu_capability=target.engine.settings["cpu_capability"]))
+    fit = fit_profile(model, cap, target, regions=("swiglu",), passes=1)
+    prof = in_situ_profile(fit, target, cap, "qwen2", "probe-engine vllm")
+    assert prof.available("moe") and prof.point("moe") == target.point("moe")
+    assert prof.moe.evidence.match_rate == target.moe.evidence.match_rate
+    assert any("carried over from " + target.canonical_name in n for n in prof.moe.evidence.notes)
 
 
 def test_a_capture_is_loaded_without_running_code_from_the_file(tmp_path):
