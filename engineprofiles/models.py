@@ -41,10 +41,16 @@ DEFAULTS: dict[str, Any] = dict(
     max_position_embeddings=40960,
 )
 
-ROPE_THETA = {"qwen2": 1000000.0, "qwen3": 1000000.0, "llama": 500000.0, "mistral": 1000000.0}
+ROPE_THETA = {"qwen2": 1000000.0, "qwen3": 1000000.0, "llama": 500000.0, "mistral": 1000000.0, "qwen3_moe": 1000000.0}
 # Config fields a family's tiny model sets beyond DEFAULTS: Mistral's config defaults to a 4096-token
 # sliding window (Mistral-7B-v0.1); later Mistral checkpoints have none, and the tiny model neither.
-FAMILY_FIELDS: dict[str, dict[str, Any]] = {"mistral": dict(sliding_window=None)}
+# Qwen3-MoE: every layer a sparse MoE block of 8 experts, 2 per token (Qwen3-30B-A3B has 128 and 8),
+# expert width 128 (vLLM's CPU fused-MoE kernel needs multiples of 32), top-k weights renormalized.
+FAMILY_FIELDS: dict[str, dict[str, Any]] = {
+    "mistral": dict(sliding_window=None),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[]),
+}
 
 # RoPE scalings (rope_parameters beside the family's rope_theta; ``tiny_model(..., rope_scaling=NAME)``,
 # CLI --rope-scaling): Llama 3.1's llama3 parameters, and linear with a factor that is not a power of
@@ -81,6 +87,10 @@ def _config_class(family: str):
         from transformers import MistralConfig
 
         return MistralConfig
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig
     raise AssertionError(family)  # pragma: no cover - FAMILIES and the branches above agree
 
 
@@ -125,7 +135,7 @@ def tiny_model(
     rope_scaling: str | None = None,
     **overrides: Any,
 ) -> Any:
-    """A causal LM of ``family`` (qwen2, qwen3, llama, mistral) with 2 decoder layers by default, its
+    """A causal LM of ``family`` (qwen2, qwen3, llama, mistral, qwen3_moe) with 2 decoder layers by default, its
     weights drawn from ``seed`` (see :func:`init_weights`), in ``dtype``, in eval mode.
 
     ``rope_scaling``: a RoPE scaling of :data:`ROPE_SCALINGS` (None: default RoPE); ``overrides``

@@ -303,7 +303,7 @@ def test_rope_parameters_it_does_not_reproduce_are_refused_by_name(params, match
         RopeFrequencies.from_parameters(64, dict(params, rope_theta=1e4))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "mistral", "qwen3_moe"])
 def test_the_transformers_probe_builds_each_familys_own_layers(family):
     from engineprofiles.names import FAMILY_NAMES
     from engineprofiles.probe.adapters.transformers import family_classes
@@ -312,3 +312,22 @@ def test_the_transformers_probe_builds_each_familys_own_layers(family):
     config, layer, rotary = family_classes(family)
     for cls in (config, layer, rotary):
         assert cls.__module__.split(".")[-1] in (f"modeling_{family}", f"configuration_{family}"), cls
+
+
+def test_the_transformers_probe_of_qwen3_moe_probes_a_dense_layer_and_the_experts():
+    """Qwen3-MoE's layers round as HF's other families do (the shipped transformers profile), and its
+    experts as the shipped profile's moe entry says (probed through Qwen3MoeExperts)."""
+    from engineprofiles.probe.adapters.transformers import TransformersAdapter
+    from engineprofiles.probe.harness import run_probe
+    from engineprofiles.store import get_profile
+
+    from engineprofiles.regions import MOE_SPEC
+
+    prof, _ = run_probe(TransformersAdapter(family="qwen3_moe"), quick=True, regions=["swiglu", "moe"])
+    shipped = get_profile("transformers-5.19.0-cpu-eager-bfloat16")
+    assert prof.point("swiglu") == shipped.point("swiglu") and prof.entry("swiglu").evidence.match_rate == 1.0
+    got, want, ev = prof.point("moe"), shipped.point("moe"), prof.moe.evidence
+    assert MOE_SPEC.site_part(got) == MOE_SPEC.site_part(want) and ev.match_rate == 1.0
+    # the quick probe's two cases may not tell the GEMM order apart; then it says so
+    label = " ".join(f"{k}={v}" for k, v in MOE_SPEC.variant_part(want).items())
+    assert got == want or label in ev.indistinguishable, (got, ev.indistinguishable)

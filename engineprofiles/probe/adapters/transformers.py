@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ...names import ENGINE_MODES, FAMILY_NAMES, check_family_name, check_mode_name
+from ...names import ENGINE_MODES, FAMILY_NAMES, MOE_FAMILY_NAMES, check_family_name, check_mode_name
 from ..base import Adapter, EngineInfo, EngineNotInstalled, RegionImpl, Unavailable
 
 FAMILIES = FAMILY_NAMES
@@ -57,6 +57,11 @@ def family_classes(family: str):
         from transformers.models.llama import modeling_llama as m
 
         return C, m.LlamaDecoderLayer, m.LlamaRotaryEmbedding
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig as C
+        from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+
+        return C, m.Qwen3MoeDecoderLayer, m.Qwen3MoeRotaryEmbedding
     raise AssertionError(family)  # pragma: no cover - FAMILY_NAMES and the branches above agree
 
 
@@ -242,7 +247,9 @@ class TransformersAdapter(Adapter):
         C, Layer, Rotary = family_classes(self.family)
         cfg = C(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv,
                 head_dim=head_dim, num_hidden_layers=1, vocab_size=32, rms_norm_eps=eps,
-                rope_parameters={"rope_type": "default", "rope_theta": base}, max_position_embeddings=1 << 17)
+                rope_parameters={"rope_type": "default", "rope_theta": base}, max_position_embeddings=1 << 17,
+                # an MoE family's layer with a dense MLP: the swiglu region (its experts are probed by moe())
+                **({"mlp_only_layers": [0]} if self.family in MOE_FAMILY_NAMES else {}))
         cfg._attn_implementation = "eager"
         layer = Layer(cfg, layer_idx=0).to(device=self.device, dtype=self.dtype)
         rot = Rotary(cfg).to(self.device)
