@@ -198,7 +198,8 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     (their router's FP32 top-k weights handed on unrounded where that point keeps ``routing_weight``
     FP32), and a profile without a measured ``moe`` entry is refused (:class:`RegionUnavailable`). The
     moe entry is always emulated (HF's own experts round as configured by ``_experts_implementation``,
-    so none is skipped as native), and a patched MoE model runs eagerly (compiling it is refused). ``profile``: a Profile, a path, a shipped name, or an engine: ``"vllm"``,
+    so none is skipped as native), and a patched MoE model runs eagerly (compiling it is refused).
+    ``profile``: a Profile, a path, a shipped name, or an engine: ``"vllm"``,
     ``"vllm==0.32.0"``, ``"vllm:eager"`` (``ENGINE[==VERSION][:MODE]``; the shipped profile that
     fits this model best: the installed engine version, else the newest; the engine's default mode
     unless another is asked; the model's dtype and device; this CPU's capability; in situ over
@@ -282,8 +283,8 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     attention = emulate["rope"] or qk_fp32 or not all(d.inv_freq_exact for d in decoders) or exact or mixed
     handle = PatchHandle(
         model, prof, fam,
-        emulated=tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention)) + (("attention",) if exact else ())
-        + (("moe",) if moe_point is not None else ()),
+        emulated=tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention))
+        + (("attention",) if exact else ()) + (("moe",) if moe_point is not None else ()),
         native=tuple(r for r in REGIONS if not (emulate[r] or (r == "rope" and attention))),
     )
     handle.exact = exact

@@ -171,8 +171,7 @@ def test_functional_moe_refuses_what_does_not_fit():
     with pytest.raises(InputError, match="activation dtype"):
         F.moe(x.float(), w13.float(), w2.float(), w, ids, HF_POINT)
     with pytest.raises(RegionUnavailable, match="moe"):
-        F.moe(x, w13, w2, w, ids, get_profile(TRANSFORMERS_PROFILE).model_copy(
-            update={"moe": with_moe(TRANSFORMERS_PROFILE, UNMEASURED).moe}))
+        F.moe(x, w13, w2, w, ids, with_moe(TRANSFORMERS_PROFILE, UNMEASURED))
 
 
 # -- the closed loop -------------------------------------------------------------------------------
@@ -345,3 +344,40 @@ def test_a_model_with_only_dense_layers_needs_no_moe_entry():
     model = tiny_moe(seed=5, mlp_only_layers=[0, 1])
     with emulator.apply_profile(model, with_moe(TRANSFORMERS_PROFILE, UNMEASURED), skip_native=False) as h:
         assert "moe" not in h.emulated and "model.layers.0.mlp" in h.modules
+
+
+# -- what falls out of the existing machinery ------------------------------------------------------
+
+
+def test_fp32_master_weights_under_autocast_compute_the_bf16_models_bits():
+    model = tiny_moe(seed=5, mlp_only_layers=[1])
+    ids = tiny_inputs(model, 12, batch=2, seed=1)
+    prof = with_moe(TRANSFORMERS_PROFILE, measured(MEASURED["vllm-0.32.0-cpu"]))
+    master = copy.deepcopy(model).float()
+    master.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.clone()  # HF keeps it FP32 when loading
+    with torch.no_grad():
+        with emulator.apply_profile(model, prof):
+            want = model(ids).logits
+        with emulator.apply_profile(master, prof), torch.autocast("cpu", dtype=torch.bfloat16):
+            got = master(ids).logits
+    assert_same_bits(got, want, "FP32 master weights under autocast vs BF16 weights")
+
+
+def test_compiling_a_patched_moe_model_is_refused():
+    from emulator.errors import CompileUnsupported
+
+    model = tiny_moe(seed=5)
+    ids = tiny_inputs(model, 8, batch=1, seed=1)
+    with emulator.apply_profile(model, with_moe(TRANSFORMERS_PROFILE, measured(HF_POINT)), skip_native=False):
+        with pytest.raises(CompileUnsupported, match="sparse MoE block"):
+            torch.compile(model)(ids)
+    torch.compiler.reset()
+
+
+def test_class_patch_of_the_family():
+    prof = with_moe(TRANSFORMERS_PROFILE, measured(HF_POINT))
+    with emulator.patch_qwen3_moe(prof):
+        model = tiny_moe(seed=5)
+        h = emulator.handle_of(model)
+        assert h is not None and h.family.name == "qwen3_moe" and "moe" in h.emulated
+    h.remove()
