@@ -1,4 +1,5 @@
-"""The emulator's public API: the three regions at the rounding sites of a profile, with autograd.
+"""The emulator's public API: the three regions at the rounding sites of a profile, with autograd;
+also a sparse MoE block's experts (:func:`moe`, the profile's ``moe`` entry) and exact mode's attention.
 
 Each function takes ``profile``: a :class:`~engineprofiles.schema.Profile`, the path of a profile
 YAML, the name of a shipped profile, or (for tests and experiments) a lattice
@@ -55,6 +56,7 @@ from typing import Union
 import torch
 
 from engineprofiles.regions import STYLES, Point
+from engineprofiles.regions.moe import check_moe_inputs
 from engineprofiles.rounding import ACT_DTYPES
 from engineprofiles.schema import Profile, load_profile
 from engineprofiles.store import resolve
@@ -63,13 +65,14 @@ from .errors import InputError, ProfileMismatch, RegionUnavailable
 from .ops._backend import BACKENDS, ENV_VAR, backend_for, current_backend, traced_backend_for, use_backend
 from .ops._utils import point_key
 from .ops.attention import ExactAttentionFunction, attention_op
+from .ops.moe import MoEFunction
 from .ops.rmsnorm import AddRMSNormFunction, RMSNormFunction, add_rmsnorm_op, rmsnorm_op
 from .ops.rope import RoPEFunction, rope_op
 from .ops.swiglu import SwiGLUFunction, swiglu_op
 
 ProfileLike = Union[Profile, str, os.PathLike, Point]
 
-__all__ = ["rope", "swiglu", "rmsnorm", "add_rmsnorm", "attention", "use_backend", "current_backend", "BACKENDS", "ENV_VAR"]
+__all__ = ["rope", "swiglu", "rmsnorm", "add_rmsnorm", "moe", "attention", "use_backend", "current_backend", "BACKENDS", "ENV_VAR"]
 
 
 # -- backend choice -------------------------------------------------------------------------------
@@ -335,6 +338,66 @@ def add_rmsnorm(
         else:
             out, res = AddRMSNormFunction.apply(x2, r2, w, float(eps), point, act, backend)
     return out.reshape(x.shape), res.reshape(x.shape)
+
+
+# -- MoE experts ----------------------------------------------------------------------------------
+
+
+def moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    profile: ProfileLike,
+    *,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """A sparse MoE block's experts at the profile's ``moe`` point: for each token, the sum over its
+    top-k experts e of ``w * down_e(silu(gate_e(x)) * up_e(x))``, rounded where the point says
+    (:func:`engineprofiles.regions.moe_ref`, bit for bit).
+
+    x: [tokens, hidden] in the activation dtype; w13: [experts, 2 * inter, hidden] (gate rows, then
+    up: HF's ``gate_up_proj``); w2: [experts, hidden, inter] (HF's ``down_proj``); topk_weights:
+    [tokens, k], the router's FP32 weights (or already in the activation dtype); topk_ids: [tokens, k]
+    expert ids. Returns [tokens, hidden] in the activation dtype. Gradients flow to x, w13, w2 and
+    topk_weights: the gradient of the FP32 function with rounding treated as identity, in FP32
+    (:mod:`emulator.ops.moe`). No Triton kernel: every backend runs the torch reference on the
+    tensors' device (``reference-portable`` with portable math). Under torch.compile it runs
+    eagerly (a graph break), so compiled code computes the eager bits.
+    """
+    op = "moe"
+    _check_float(op, x=x, w13=w13, w2=w2, topk_weights=topk_weights)
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.is_floating_point() or topk_ids.is_complex() \
+            or topk_ids.dtype == torch.bool:
+        raise InputError(f"moe: topk_ids must be a tensor of integer expert ids, got "
+                         f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)}")
+    if topk_ids.device != x.device:
+        raise InputError(f"moe: topk_ids is on {topk_ids.device}, x on {x.device}; all tensors must be on one device")
+    act_dtypes = tuple(ACT_DTYPES.values())
+    if x.dtype not in act_dtypes or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise InputError(f"moe: x, w13 and w2 must share an activation dtype (bfloat16 or float16); got {x.dtype}, "
+                         f"{w13.dtype}, {w2.dtype}")
+    if topk_weights.dtype not in (torch.float32, x.dtype):
+        raise InputError(f"moe: topk_weights must be float32 (the router's weights) or {x.dtype}, got "
+                         f"{topk_weights.dtype}")
+    try:
+        check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    point, _ = _point_and_dtype(profile, "moe", op, x, dtype)
+    math = "portable" if _backend_for(x.device) == "reference-portable" else "torch"
+    with _fp32_math(x.device):
+        if torch.compiler.is_compiling():
+            return _moe_eager(x, w13, w2, topk_weights, topk_ids, point, math)
+        return MoEFunction.apply(x, w13, w2, topk_weights, topk_ids, point, math)
+
+
+def _moe_eager(x, w13, w2, topk_weights, topk_ids, point, math):  # noqa: ANN001, ANN202
+    return MoEFunction.apply(x, w13, w2, topk_weights, topk_ids, point, math)
+
+
+_moe_eager = torch.compiler.disable(_moe_eager)
 
 
 # -- exact mode: attention ------------------------------------------------------------------------

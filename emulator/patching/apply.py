@@ -92,6 +92,23 @@ def _regions(profile: Profile) -> dict[str, Point]:
     return points
 
 
+def _moe_point(profile: Profile, decoders: list[Decoder]) -> Point | None:
+    """The profile's ``moe`` point when the model has sparse MoE blocks (None when it has none: a
+    dense model is unaffected by the moe entry); refused when the profile has none measured."""
+    sparse = [f"{d.path}.layers.{i}.mlp" for d in decoders for i in d.sparse]
+    if not sparse:
+        return None
+    if not profile.available("moe"):
+        more = f" and {len(sparse) - 1} more" if len(sparse) > 1 else ""
+        raise RegionUnavailable(
+            f"profile {profile.canonical_name} has no measured moe entry ({profile.moe.evidence.reason}), and the "
+            f"model has sparse MoE blocks ({sparse[0]}{more}) whose experts the patch computes at the profile's moe "
+            "point; so it changes nothing: use a profile in which moe was measured (schema version 4, probed with "
+            "this version of engineprofiles)"
+        )
+    return profile.point("moe")
+
+
 def _check_exact(model: torch.nn.Module, decoders: list[Decoder], profile: Profile) -> Point:
     """Exact mode's own refusals (before anything changes) and its capability warning."""
     import warnings
@@ -175,9 +192,14 @@ def _model_device(model: torch.nn.Module) -> torch.device | None:
 
 def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native: bool = True,
                   exact: bool = False, record: bool = False) -> PatchHandle:
-    """Patch ``model`` (a HF transformers Qwen2/Qwen2.5, Qwen3 or Llama model, possibly wrapped by
-    PEFT or FSDP2) in place so that RoPE, SwiGLU and the residual RMSNorm round where ``profile``
-    says. ``profile``: a Profile, a path, a shipped name, or an engine: ``"vllm"``,
+    """Patch ``model`` (a HF transformers Qwen2/Qwen2.5, Qwen3, Llama, Mistral or Qwen3-MoE model, possibly
+    wrapped by PEFT or FSDP2) in place so that RoPE, SwiGLU and the residual RMSNorm round where ``profile``
+    says; in a Qwen3-MoE model the sparse MoE blocks' experts also compute at the profile's ``moe`` point
+    (their router's FP32 top-k weights handed on unrounded where that point keeps ``routing_weight``
+    FP32), and a profile without a measured ``moe`` entry is refused (:class:`RegionUnavailable`). The
+    moe entry is always emulated (HF's own experts round as configured by ``_experts_implementation``,
+    so none is skipped as native), and a patched MoE model runs eagerly (compiling it is refused).
+    ``profile``: a Profile, a path, a shipped name, or an engine: ``"vllm"``,
     ``"vllm==0.32.0"``, ``"vllm:eager"`` (``ENGINE[==VERSION][:MODE]``; the shipped profile that
     fits this model best: the installed engine version, else the newest; the engine's default mode
     unless another is asked; the model's dtype and device; this CPU's capability; in situ over
@@ -248,6 +270,7 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     for d in decoders:
         check_decoder(d, prof.engine.name)
         mixed = _check_dtype(d, prof, act) or mixed
+    moe_point = _moe_point(prof, decoders)
     _check_patchable(model, decoders)
     exact_point = _check_exact(model, decoders, prof) if exact else None
 
@@ -260,7 +283,8 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     attention = emulate["rope"] or qk_fp32 or not all(d.inv_freq_exact for d in decoders) or exact or mixed
     handle = PatchHandle(
         model, prof, fam,
-        emulated=tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention)) + (("attention",) if exact else ()),
+        emulated=tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention))
+        + (("attention",) if exact else ()) + (("moe",) if moe_point is not None else ()),
         native=tuple(r for r in REGIONS if not (emulate[r] or (r == "rope" and attention))),
     )
     handle.exact = exact
@@ -271,13 +295,14 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     norm_backend = "reference-inductor" if exact and prof.engine.execution_mode == "inductor" and on_cpu else None
     if norm_backend:
         emulate = dict(emulate, rmsnorm=True, add_rmsnorm=True)
-        handle.emulated = tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention)) + ("attention",)
+        handle.emulated = tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention)) + ("attention",) \
+            + (("moe",) if moe_point is not None else ())
         handle.native = tuple(r for r in handle.native if r not in ("rmsnorm", "add_rmsnorm"))
     handle.norm_backend = norm_backend
     raw = {r: prof.point(r) for r in REGIONS}  # as the profile writes them (the forwards compute these)
     try:
         for d in decoders:
-            _patch_decoder(handle, d, raw, act, emulate, attention, exact_point, norm_backend)
+            _patch_decoder(handle, d, raw, act, emulate, attention, exact_point, norm_backend, moe_point)
             if handle.native:  # torch.compile is refused (guard.py), wherever it starts; eagerly nothing more is needed
                 refuse = refusal_hook(native_message(handle.native, prof.canonical_name))
                 for mod in _region_modules(d):
@@ -306,7 +331,7 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
 
 def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], act: torch.dtype,
                    emulate: dict[str, bool], attention: bool, exact_point: Point | None = None,
-                   norm_backend: str | None = None) -> None:
+                   norm_backend: str | None = None, moe_point: Point | None = None) -> None:
     c, p, layers = d.classes, d.path, d.layers
     ACTIVE[d.module] = handle
     handle._undo.append(lambda: ACTIVE.pop(d.module, None))
@@ -322,8 +347,13 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], ac
             handle._hook(d.module.register_forward_pre_hook(refuse), refuse)
     if emulate["swiglu"]:
         for i, layer in enumerate(layers):
-            handle._bind(f"{p}.layers.{i}.mlp", layer.mlp,
-                         fw.mlp(points["swiglu"], act, f"{p}.layers.{i}.mlp", handle.profile.canonical_name))
+            if i not in d.sparse:  # a dense MLP (a sparse MoE block's experts are the moe entry's)
+                handle._bind(f"{p}.layers.{i}.mlp", layer.mlp,
+                             fw.mlp(points["swiglu"], act, f"{p}.layers.{i}.mlp", handle.profile.canonical_name))
+    if moe_point is not None:
+        for i in d.sparse:
+            handle._bind(f"{p}.layers.{i}.mlp", layers[i].mlp,
+                         fw.moe_block(moe_point, act, f"{p}.layers.{i}.mlp", handle.profile.canonical_name))
     if emulate["rmsnorm"]:
         handle._bind(f"{p}.layers.0.input_layernorm", layers[0].input_layernorm,
                      fw.norm_plain(points["rmsnorm"], act, to_act=True, backend=norm_backend))

@@ -4,7 +4,10 @@ A :class:`Family` names the transformers module and class prefix of a decoder fa
 facts in which families differ (Qwen3's q/k norms). ``classes()`` finds the classes on the
 installed transformers; ``check_decoder`` checks that a live model is made of exactly those
 modules, with the RoPE and activation the regions model, before anything is patched. Adding a
-family with the same layer structure is one more entry in :data:`FAMILIES`.
+family with the same layer structure is one more entry in :data:`FAMILIES`. A family with sparse MoE
+blocks (``moe=True``: Qwen3-MoE) has, in each decoder layer, either the family's dense MLP or its
+sparse MoE block (a router and the experts, whose SwiGLU expert MLPs and weighted combine the
+profile's ``moe`` entry describes).
 
 :data:`NATIVE` is the lattice point each region of HF's own modules computes (eager, any device),
 checked against the probe of the installed transformers by tests/emulator/test_patching.py.
@@ -57,6 +60,10 @@ class Family:
     # None on Llama), or the config (Mistral's attention passes ``config.sliding_window`` to HF's
     # attention function, and its model builds the windowed mask from it).
     window_in_config: bool = False
+    # Sparse MoE blocks (``{prefix}SparseMoeBlock``: a ``gate`` router ``{prefix}TopKRouter`` and the
+    # ``experts`` ``{prefix}Experts``) in the layers that are not dense (config.mlp_only_layers,
+    # decoder_sparse_step); they compute at the profile's ``moe`` point.
+    moe: bool = False
 
     def sliding_window(self, attention: Any) -> Any:
         """The sliding window the family's attention module uses (None: full causal attention)."""
@@ -71,6 +78,8 @@ class Family:
             model=getattr(m, f"{p}Model"), layer=getattr(m, f"{p}DecoderLayer"), attention=getattr(m, f"{p}Attention"),
             mlp=getattr(m, f"{p}MLP"), norm=getattr(m, f"{p}RMSNorm"), rotary=getattr(m, f"{p}RotaryEmbedding"),
             eager_attention=m.eager_attention_forward, replaced=self.replaced(m),
+            **({"sparse": getattr(m, f"{p}SparseMoeBlock"), "experts": getattr(m, f"{p}Experts"),
+                "router": getattr(m, f"{p}TopKRouter")} if self.moe else {}),
         )
 
     def replaced(self, m: Any) -> list[tuple[str, str]]:
@@ -80,6 +89,8 @@ class Family:
         p = self.prefix
         names = (f"{p}RMSNorm", f"{p}MLP", "apply_rotary_pos_emb", f"{p}DecoderLayer", f"{p}Attention",
                  f"{p}RotaryEmbedding", f"{p}Model", "eager_attention_forward")
+        if self.moe:
+            names += (f"{p}SparseMoeBlock", f"{p}Experts", f"{p}TopKRouter")
         out = []
         for n in names:
             obj = getattr(m, n, None)
@@ -97,6 +108,8 @@ FAMILIES: dict[str, Family] = {
         Family("llama", "Llama", "transformers.models.llama.modeling_llama", "Llama", qk_norm=False),
         Family("mistral", "Mistral", "transformers.models.mistral.modeling_mistral", "Mistral", qk_norm=False,
                window_in_config=True),
+        Family("qwen3_moe", "Qwen3-MoE", "transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe", qk_norm=True,
+               moe=True),
     )
 }
 
@@ -114,6 +127,7 @@ class Decoder:
     rope: RopeFrequencies | None = None  # how the engines compute this model's FP32 cos/sin
     inv_freq_exact: bool = True  # HF's own cos/sin are the engines' (its FP32 inv_freq buffer, no scaled position)
     layers: list[torch.nn.Module] = field(default_factory=list)
+    sparse: list[int] = field(default_factory=list)  # the layers whose mlp is a sparse MoE block
 
 
 def find_decoders(model: torch.nn.Module) -> list[Decoder]:
@@ -134,6 +148,29 @@ def _check_module(path: str, mod: Any, cls: Any, what: str) -> None:
         raise UnsupportedModel(
             f"{path} is a {type(mod).__name__}, not the family's {cls.__name__} ({what}); apply_profile patches the "
             "model's own transformers modules: apply it before other kernel patches (e.g. Liger), or not at all"
+        )
+
+
+def _check_sparse(path: str, block: Any, c: dict[str, Any]) -> None:
+    """A sparse MoE block the patch computes itself: the family's router and experts, with the
+    layout the ``moe`` entry's reference takes (w13 = [gate; up] per expert, not transposed, no
+    bias, every expert local)."""
+    _check_module(f"{path}.gate", block.gate, c["router"], "MoE router")
+    _check_module(f"{path}.experts", block.experts, c["experts"], "MoE experts")
+    ex = block.experts
+    layout = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+              "_is_expert_parallel": False}
+    odd = [f"{k}={getattr(ex, k)!r}" for k, want in layout.items() if getattr(ex, k, want) != want]
+    if odd:
+        raise UnsupportedModel(
+            f"{path}.experts has {', '.join(odd)}; the moe entry's experts are a gated SwiGLU with gate_up_proj "
+            "[experts, 2*inter, hidden] ([gate; up], not transposed), no bias, all experts on this rank"
+        )
+    e, two_i, h = ex.gate_up_proj.shape
+    if ex.down_proj.shape != (e, h, two_i // 2) or block.gate.weight.shape != (e, h):
+        raise UnsupportedModel(
+            f"{path}: expert weights of shapes gate_up_proj {tuple(ex.gate_up_proj.shape)}, down_proj "
+            f"{tuple(ex.down_proj.shape)} and router {tuple(block.gate.weight.shape)} do not fit together"
         )
 
 
@@ -165,11 +202,22 @@ def check_decoder(d: Decoder, engine: str = "") -> None:
     layers = list(m.layers)
     if not layers:
         raise UnsupportedModel(f"{p} has no decoder layers")
+    sparse: list[int] = []
     for i, layer in enumerate(layers):
         lp = f"{p}.layers.{i}"
         _check_module(lp, layer, c["layer"], "decoder layer")
         _check_module(f"{lp}.self_attn", layer.self_attn, c["attention"], "attention")
-        _check_module(f"{lp}.mlp", layer.mlp, c["mlp"], "MLP")
+        if d.family.moe and isinstance(layer.mlp, c["sparse"]):
+            _check_sparse(f"{lp}.mlp", layer.mlp, c)
+            sparse.append(i)
+        elif d.family.moe and not isinstance(layer.mlp, c["mlp"]):
+            raise UnsupportedModel(
+                f"{lp}.mlp is a {type(layer.mlp).__name__}, not the family's {c['mlp'].__name__} (dense MLP) or "
+                f"{c['sparse'].__name__} (sparse MoE block); apply_profile patches the model's own transformers "
+                "modules: apply it before other kernel patches (e.g. Liger), or not at all"
+            )
+        else:
+            _check_module(f"{lp}.mlp", layer.mlp, c["mlp"], "MLP")
         for n in ("input_layernorm", "post_attention_layernorm"):
             _check_module(f"{lp}.{n}", getattr(layer, n), c["norm"], "RMSNorm")
         if d.family.qk_norm:
@@ -201,7 +249,7 @@ def check_decoder(d: Decoder, engine: str = "") -> None:
                                                linear_scales="frequency" if engine == "transformers" else "position")
     except RopeParametersError as e:
         raise UnsupportedModel(f"{p}.rotary_emb: {e}") from None
-    d.rope, d.layers = rope, layers
+    d.rope, d.layers, d.sparse = rope, layers, sparse
     # HF's own RoPE computes the profile's engine's cos/sin when its FP32 inv_freq buffer holds their
     # frequencies and the position is not scaled (linear scaling: HF divides the frequencies, vLLM and
     # SGLang the position). ``model.to(torch.bfloat16)`` also rounds that buffer, and HF then rotates

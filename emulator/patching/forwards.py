@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from engineprofiles.regions import Point, RopeFrequencies
+from engineprofiles.regions import FP32, Point, RopeFrequencies
 
 from .. import functional as F
 from ..errors import ProfileMismatch, ResidualStreamLost
@@ -42,6 +42,47 @@ def mlp(point: Point, act: torch.dtype, path: str = "mlp", profile_name: str = "
         if gate.dtype == torch.float32:  # the matmul ran in FP32 (mixed precision without autocast)
             wrong_dtype()
         return opaque.linear(self.down_proj, F.swiglu(gate, up, point, dtype=act))
+
+    return forward
+
+
+def router_fp32_weights(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The FP32 top-k weights HF's top-k router computes before it casts them to the activation
+    dtype: softmax of the logits in FP32, the values at the router's own top-k ids, renormalised
+    over the k when ``norm_topk_prob``. Differentiable in the logits."""
+    top = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, ids)
+    if router.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top
+
+
+def moe_block(point: Point, act: torch.dtype, path: str = "mlp", profile_name: str = ""):
+    """A sparse MoE block (router ``gate``, ``experts``) whose experts compute at the profile's
+    ``moe`` point (``point``). The router runs as HF's module (its hooks, e.g. the recorded
+    ``router_logits``, see it unchanged); its top-k weights reach the experts in FP32 when the
+    point keeps ``routing_weight`` FP32 (the router's own values before its cast), else as the
+    router returns them (rounded to the activation dtype)."""
+    wrong_dtype = wrong_compute_dtype(path, act, profile_name)
+    refuse_compile = refusal(
+        f"{path}: a patched sparse MoE block computes its experts eagerly (the routed experts are found at run "
+        "time), and its router's FP32 softmax compiled by Inductor would not compute eager's bits; run a patched "
+        "MoE model eagerly")
+    fp32_weights = point["routing_weight"] == FP32
+
+    def forward(self, hidden_states):
+        if torch.compiler.is_compiling():
+            refuse_compile()
+        experts, router = self.experts, self.gate
+        if not computes_in(act, experts.gate_up_proj):
+            wrong_dtype()
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        logits, weights, ids = router(x)
+        if fp32_weights:
+            weights = router_fp32_weights(router, logits, ids)
+        # .to(act): FP32 master weights (mixed precision) compute with their rounded copy.
+        out = F.moe(x, experts.gate_up_proj.to(act), experts.down_proj.to(act), weights, ids, point, dtype=act)
+        return out.reshape(shape)
 
     return forward
 
