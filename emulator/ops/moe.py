@@ -4,10 +4,7 @@ No Triton kernel. The forward *is* :func:`engineprofiles.regions.moe_ref` (the s
 ``moe`` entry: the expert GEMMs in the point's ``gemm_order``, silu, the rounding sites and the
 weighted combine), run on the tensors' device; ``math`` is ``"portable"`` for the
 ``reference-portable`` backend and ``"torch"`` otherwise (torch's silu, as the probed engines and
-HF run it). The reference memoizes its GEMMs for the probe, keyed on the identity of its input
-tensors (not their version), so an op whose weights change in place between calls (an optimizer
-step) would reuse stale GEMMs: every call here runs with that memo emptied before and after
-(:func:`_fresh_memo`), which also keeps it from holding a step's activations alive.
+HF run it). No GEMM memo here (the probe's is opt-in): every call computes its GEMMs afresh.
 
 Backward: the gradient of the FP32 function with every rounding treated as identity
 (straight-through), computed in FP32 with plain matmuls per expert (no autograd through the
@@ -28,34 +25,18 @@ forward saves only its inputs).
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 
 from engineprofiles.regions import Point
-from engineprofiles.regions import moe as moe_region
 from engineprofiles.regions.moe import moe_ref
 
 from ._utils import cast_like
 
 
-@contextlib.contextmanager
-def _fresh_memo() -> Iterator[None]:
-    """The reference's GEMM memo emptied before and after (see the module docstring)."""
-    memo = moe_region._MEMO
-    memo.key, memo.values = None, {}
-    try:
-        yield
-    finally:
-        memo.key, memo.values = None, {}
-
-
 def moe_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, point: Point, math: str = "torch") -> torch.Tensor:
     """(tokens, hidden) in the activation dtype: :func:`moe_ref` at ``point``, bit for bit."""
-    with _fresh_memo():
-        return moe_ref(x, w13, w2, topk_weights, topk_ids, point, math=math)  # type: ignore[arg-type]
+    return moe_ref(x, w13, w2, topk_weights, topk_ids, point, math=math)  # type: ignore[arg-type]
 
 
 def moe_backward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

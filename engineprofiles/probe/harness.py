@@ -22,6 +22,7 @@ import torch
 
 from .. import PROBE_VERSION, __version__
 from ..regions import BESIDE, REGIONS, Point, RegionSpec, add_rmsnorm_ref, moe_ref, rmsnorm_ref, rope_cos_sin, rope_ref, swiglu_ref
+from ..regions.moe import GemmMemo
 from ..rounding import act_dtype, dtype_name, ulp_distance
 from ..schema import Evidence, Profile, make_profile
 from .base import Adapter, RegionImpl, Unavailable
@@ -51,7 +52,9 @@ def spec_of(region: str) -> RegionSpec:
 def reference_outputs(region: str, p: Point, inp: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     """The reference's outputs at ``p`` for one probe case, in the engine's output layout."""
     if region == "moe":
-        return (moe_ref(inp["x"], inp["w13"], inp["w2"], inp["topk_weights"], inp["topk_ids"], p),)
+        # one GEMM memo per probe case: every lattice point is evaluated on the case's same tensors
+        memo = inp.setdefault("gemm_memo", GemmMemo())
+        return (moe_ref(inp["x"], inp["w13"], inp["w2"], inp["topk_weights"], inp["topk_ids"], p, memo=memo),)
     if region == "rope":
         cos, sin = rope_cos_sin(inp["positions"], inp["q"].shape[-1], inp["base"])
         return (

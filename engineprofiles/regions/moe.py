@@ -88,23 +88,30 @@ def _linear(a: torch.Tensor, w: torch.Tensor, order: str, rounded: bool) -> torc
     return F.linear(a.float(), w.float())
 
 
-class _Memo:
-    """The GEMMs of one set of inputs, shared by every lattice point a probe compares (the
-    reference is called once per point with the same tensors). Holds the tensors it keys on."""
+class GemmMemo:
+    """The GEMMs of one set of inputs, for a caller that evaluates the reference at many lattice
+    points on the same tensors (the probe: once per point). Opt-in (``moe_ref(..., memo=...)``):
+    keyed on the tensors' identity and their version counters, so an in-place change of an input
+    (an optimizer step) is never answered from the memo; it holds the tensors it keys on."""
 
     def __init__(self) -> None:
         self.key: tuple | None = None
         self.values: dict = {}
 
     def get(self, inputs: tuple, what: tuple, compute):  # noqa: ANN001
-        if self.key is None or len(self.key) != len(inputs) or any(a is not b for a, b in zip(self.key, inputs)):
-            self.key, self.values = inputs, {}
+        key = tuple((t, t._version) for t in inputs)
+        if self.key is None or len(self.key) != len(key) or any(
+                a is not b or va != vb for (a, va), (b, vb) in zip(self.key, key)):
+            self.key, self.values = key, {}
         if what not in self.values:
             self.values[what] = compute()
         return self.values[what]
 
 
-_MEMO = _Memo()
+class _NoMemo:
+    @staticmethod
+    def get(inputs: tuple, what: tuple, compute):  # noqa: ANN001, ARG004
+        return compute()
 
 
 def check_moe_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -125,7 +132,7 @@ def check_moe_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
 
 
 def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, point: Point,
-                   *, math: MathMode = "torch") -> torch.Tensor:
+                   *, math: MathMode = "torch", memo: GemmMemo | None = None) -> torch.Tensor:
     """Y[t, j]: the FP32 values of expert ``topk_ids[t, j]``'s output for token t (rounded to the
     activation dtype where ``expert_out`` says so), computed expert by expert on the rows routed to it."""
     dt = act_dtype(x.dtype)
@@ -133,17 +140,18 @@ def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     inter = w13.shape[1] // 2
     order = point["gemm_order"]
     inputs = (x, w13, w2, topk_ids)
+    cache = memo if memo is not None else _NoMemo
     y = torch.zeros(tokens, k, x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         t_idx, slot = torch.where(topk_ids == e)
-        gu = _MEMO.get(inputs, ("gate_up", e, order, point["gate_up"]),
+        gu = cache.get(inputs, ("gate_up", e, order, point["gate_up"]),
                        lambda: _linear(x[t_idx], w13[e], order, point["gate_up"] == ROUNDED))
         s = silu_fp32(gu[:, :inter], point["silu_formula"], math)
         if point["silu"] == ROUNDED:
             s = round_to(s, dt)
         h = round_to(s * gu[:, inter:], dt).to(dt)
-        key = ("down", e, order, point["gate_up"], point["silu"], point["silu_formula"], point["expert_out"])
-        y[t_idx, slot] = _MEMO.get(inputs, key, lambda: _linear(h, w2[e], order, point["expert_out"] == ROUNDED))
+        key = ("down", e, order, point["gate_up"], point["silu"], point["silu_formula"], math, point["expert_out"])
+        y[t_idx, slot] = cache.get(inputs, key, lambda: _linear(h, w2[e], order, point["expert_out"] == ROUNDED))
     return y
 
 
@@ -172,13 +180,14 @@ def combine(y: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
 
 
 def moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-            point: Point, *, math: MathMode = "torch") -> torch.Tensor:
+            point: Point, *, math: MathMode = "torch", memo: GemmMemo | None = None) -> torch.Tensor:
     """Reference MoE experts at ``point``: (tokens, hidden) in the activation dtype.
 
     ``x``: (tokens, hidden); ``w13``: (experts, 2*inter, hidden), gate rows first, then up;
     ``w2``: (experts, hidden, inter); ``topk_weights``: (tokens, k), the router's FP32 weights;
-    ``topk_ids``: (tokens, k) expert ids."""
+    ``topk_ids``: (tokens, k) expert ids. ``memo``: a :class:`GemmMemo` shared by calls on the same
+    inputs at other points (the GEMMs are computed once per input and choice that changes them)."""
     dt = act_dtype(x.dtype)
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
-    y = expert_outputs(x, w13, w2, topk_ids, point, math=math)
+    y = expert_outputs(x, w13, w2, topk_ids, point, math=math, memo=memo)
     return round_to(combine(y, topk_weights, topk_ids, point, dt), dt).to(dt)

@@ -103,3 +103,20 @@ def test_bad_inputs_are_refused_naming_what_is_wrong(bad):
         tw = tw[:, :1]
     with pytest.raises(ValueError, match="moe:"):
         moe_ref(x, w13, w2, tw, ids, p)
+
+
+def test_the_gemm_memo_is_opt_in_and_never_answers_for_inputs_changed_in_place():
+    x, w13, w2, tw, ids = _inputs()
+    p = MOE_SPEC.all_points()[0]
+    before = moe_ref(x, w13, w2, tw, ids, p)
+    with torch.no_grad():
+        w13.mul_(2)  # an optimizer step: same tensor object, new values
+    assert not torch.equal(moe_ref(x, w13, w2, tw, ids, p), before)  # no memo by default
+    from engineprofiles.regions.moe import GemmMemo
+
+    memo = GemmMemo()
+    first = moe_ref(x, w13, w2, tw, ids, p, memo=memo)
+    assert torch.equal(moe_ref(x, w13, w2, tw, ids, p, memo=memo), first)
+    with torch.no_grad():
+        w13.mul_(0.5)
+    assert torch.equal(moe_ref(x, w13, w2, tw, ids, p, memo=memo), before)  # the version counter moved
