@@ -23,14 +23,16 @@ import torch
 
 from engineprofiles.errors import EngineProfilesError
 from engineprofiles.extras import require
-from engineprofiles.names import check_rope_scaling_name, is_safe_name
+from engineprofiles.names import MOE_FAMILY_NAMES, check_rope_scaling_name, is_safe_name
 from engineprofiles.metrics import Mismatch, mismatch
 from engineprofiles.models import FAMILIES
-from engineprofiles.regions import REGIONS
+from engineprofiles.regions import BESIDE, REGIONS
 from engineprofiles.schema import Profile, make_profile
 from engineprofiles.store import get_profile, shipped_names
 
 # The residual RMSNorm region covers both call forms.
+# One region at a time from the engine's profile, the rest the trainer's; an MoE family adds its
+# experts (moe) as one more row.
 ABLATIONS = {"rope": ("rope",), "swiglu": ("swiglu",), "rmsnorm": ("add_rmsnorm", "rmsnorm")}
 
 
@@ -95,10 +97,16 @@ def default_profile_name(engine: str, version: str, mode: str = "default") -> st
 
 
 def combine(base: Profile, other: Profile, regions: tuple[str, ...]) -> Profile:
-    """``base`` with the points of ``regions`` taken from ``other``."""
+    """``base`` with the points of ``regions`` taken from ``other``; ``regions`` may name the entries
+    recorded beside the regions (attention, moe) too, which otherwise come from ``base`` as well."""
     points = {n: (other.point(n) if n in regions else base.point(n)) for n in REGIONS}
+    beside = {}
+    for name in BESIDE:
+        src = other if name in regions else base
+        beside[name] = src.point(name) if src.available(name) else None
+        beside[f"{name}_evidence"] = src.entry(name).evidence
     return make_profile(engine=base.engine, dtype=base.dtype, points=points,
-                        provenance=base.provenance.model_copy(update={"method": "synthetic"}))
+                        provenance=base.provenance.model_copy(update={"method": "synthetic"}), **beside)
 
 
 def _shifted_logsumexp(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -411,7 +419,8 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     report = Report(engine=eng, family=family, profile_name=prof_name, trainer_profile_name=tname, warnings=warnings,
                     model=model_fields(model), prompt_len=len(cap["sequences"][0]["prompt"]))
     variants: list[tuple[str, Profile | None, bool]] = [("as-is", None, False), ("+ engine profile", prof, False)]
-    for label, regs in ABLATIONS.items():
+    ablations = dict(ABLATIONS, **({"moe": ("moe",)} if family in MOE_FAMILY_NAMES else {}))
+    for label, regs in ablations.items():
         variants.append((f"+ {label} only", combine(trainer, prof, regs), False))
     if exact:
         variants.append(("exact", prof, True))

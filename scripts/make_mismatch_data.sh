@@ -5,8 +5,10 @@
 # regenerate docs/mismatch.md.
 # Then the batch checks (--batch-check: the engine against itself in other batch compositions), short
 # and long prompts, vLLM with and without split-KV attention, SGLang: docs/data/batch-*.json.
-# Takes ~20 minutes on a 2-core CPU (each run starts the engine). --wide-only: only the wider models;
-# --batch-only: only the batch checks.
+# The MoE family (qwen3_moe: vLLM's fused-MoE experts, SGLang's native MoE) on the tiny model and a
+# wider one.
+# Takes ~25 minutes on a 2-core CPU (each run starts the engine). --wide-only: only the wider models;
+# --batch-only: only the batch checks; --moe-only: only the MoE runs.
 set -euo pipefail
 REPO=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
@@ -36,12 +38,31 @@ batch_all() {
   batch sglang qwen2 --family qwen2
   batch sglang qwen2-long --family qwen2 "${LONG[@]}"
 }
+sglang_run() {  # name, then probe-engine mismatch options
+  local name=$1; shift
+  local S=${SGLANG_VERSION:-0.5.23}
+  echo "== $name: probe-engine mismatch sglang --exact $*" >&2
+  ENGINEPROFILES_COMMAND="probe-engine mismatch sglang --exact $*" \
+    "$PY" -m engineloop.cli mismatch sglang --exact --json "$D/mismatch-sglang-$S-$name.json" "$@" >/dev/null
+}
+WIDE=(--layers 4 --hidden 512 --intermediate 1024 --prompt-len 200 --max-tokens 32)
+moe_all() {
+  run qwen3_moe --family qwen3_moe
+  run qwen3_moe-eager --family qwen3_moe --mode eager
+  VLLM_CPU_ATTN_SPLIT_KV=0 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run qwen3_moe-wide-nosplit --family qwen3_moe "${WIDE[@]}" \
+    --heads 8 --kv-heads 2 --head-dim 128
+  sglang_run qwen3_moe --family qwen3_moe
+}
+if [[ "${1:-}" == --moe-only ]]; then
+  moe_all
+  "$PY" scripts/make_mismatch_docs.py
+  exit 0
+fi
 if [[ "${1:-}" == --batch-only ]]; then
   batch_all
   "$PY" scripts/make_mismatch_docs.py
   exit 0
 fi
-WIDE=(--layers 4 --hidden 512 --intermediate 1024 --prompt-len 200 --max-tokens 32)
 if [[ "${1:-}" != --wide-only ]]; then
   for f in qwen2 qwen3 llama mistral; do
     run "$f" --family "$f"
@@ -67,17 +88,12 @@ PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run qwen2-wide-eager-nosplit --family qwen2 -
 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run llama-linear-long-nosplit --family llama --rope-scaling linear --prompt-len 460 --max-tokens 24
 unset VLLM_CPU_ATTN_SPLIT_KV
 # SGLang's CPU engine (its default mode: eager layers, torch_native attention)
-S=${SGLANG_VERSION:-0.5.23}
 if [[ "${1:-}" != --wide-only ]]; then
   for f in qwen2 qwen3 llama mistral; do
-    echo "== $f: probe-engine mismatch sglang --exact --family $f" >&2
-    ENGINEPROFILES_COMMAND="probe-engine mismatch sglang --exact --family $f" \
-      "$PY" -m engineloop.cli mismatch sglang --exact --family "$f" --json "$D/mismatch-sglang-$S-$f.json" >/dev/null
+    sglang_run "$f" --family "$f"
   done
-  echo "== llama-llama3: probe-engine mismatch sglang --exact --family llama --rope-scaling llama3" >&2
-  ENGINEPROFILES_COMMAND="probe-engine mismatch sglang --exact --family llama --rope-scaling llama3" \
-    "$PY" -m engineloop.cli mismatch sglang --exact --family llama --rope-scaling llama3 \
-    --json "$D/mismatch-sglang-$S-llama-llama3.json" >/dev/null
+  sglang_run llama-llama3 --family llama --rope-scaling llama3
 fi
+moe_all
 batch_all
 "$PY" scripts/make_mismatch_docs.py

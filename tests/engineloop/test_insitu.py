@@ -202,3 +202,17 @@ def test_the_default_profile_of_a_run_is_this_capabilitys(monkeypatch, here, shi
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: here)
     monkeypatch.setattr(store, "candidates", lambda: ([(None, candidate(n)) for n in shipped], []))
     assert mismatch.default_profile_name("vllm", "0.32.0") == want
+
+
+def test_combine_takes_the_entries_beside_the_regions_from_the_base_unless_named():
+    """The ablation rows of `mismatch` (`+ rope only`, ..., `+ moe only`) are the trainer's profile
+    with one part of the engine's: attention and the MoE experts come along from the base (the
+    trainer's) unless named."""
+    target, trainer = get_profile(ENGINE), get_profile(TRAINER)
+    assert target.point("moe") != trainer.point("moe")
+    rope_only = combine(trainer, target, ("rope",))
+    assert rope_only.point("rope") == target.point("rope") and rope_only.point("swiglu") == trainer.point("swiglu")
+    assert rope_only.point("moe") == trainer.point("moe") and rope_only.point("attention") == trainer.point("attention")
+    moe_only = combine(trainer, target, ("moe",))
+    assert moe_only.point("moe") == target.point("moe") and moe_only.point("rope") == trainer.point("rope")
+    assert moe_only.moe.evidence == target.moe.evidence
