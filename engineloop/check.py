@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
 from engineprofiles.errors import EngineProfilesError
-from engineprofiles.names import DEFAULT_MODES, ENGINE_MODES, EXECUTION_MODES, FAMILY_NAMES, REGION_NAMES
+from engineprofiles.names import BESIDE_NAMES, DEFAULT_MODES, ENGINE_MODES, EXECUTION_MODES, FAMILY_NAMES, REGION_NAMES
 
 if TYPE_CHECKING:
     from engineprofiles.diff import Diff, Row
@@ -82,7 +82,7 @@ def _probe_mode(engine: str, execution_mode: str) -> Optional[str]:
 
 
 def skipped(profile: Profile) -> list[str]:
-    """The regions (and ``attention``) the profile records as not probed: left out of the check."""
+    """The regions (and ``attention``, ``moe``) the profile records as not probed: left out of the check."""
     return [name for name, _, e in profile.entries()
             if e.evidence.status == "unavailable" and (e.evidence.reason or "").startswith(NOT_PROBED)]
 
@@ -117,9 +117,10 @@ def plan_for(profile: Profile, name: str) -> Plan:
             raise CheckRefused(f"{name}: engine.settings.family {family!r} is no model family the probe knows "
                                f"({', '.join(FAMILY_NAMES)})")
     skip = skipped(profile)
-    if len(skip) == len(REGION_NAMES) + 1:
-        raise CheckRefused(f"{name} records no region and no attention as measured: there is nothing to compare")
-    regions = None if not skip else tuple(n for n in (*REGION_NAMES, "attention") if n not in skip)
+    if len(skip) == len(REGION_NAMES) + len(BESIDE_NAMES):
+        raise CheckRefused(f"{name} records no region, no attention and no MoE experts as measured: there is nothing "
+                           "to compare")
+    regions = None if not skip else tuple(n for n in (*REGION_NAMES, *BESIDE_NAMES) if n not in skip)
     try:
         quick = "--quick" in shlex.split(pv.command)
     except ValueError:
@@ -238,5 +239,4 @@ def compare(expected: Profile, probed: Profile, name: str, path: str = "", now_n
 
 
 def _reason(p: Profile, region: str) -> str:
-    e = p.attention if region == "attention" else p.entry(region)
-    return e.evidence.reason or ""
+    return p.entry(region).evidence.reason or ""

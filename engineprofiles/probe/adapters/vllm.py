@@ -273,7 +273,10 @@ class VllmAdapter(Adapter):
             f"vllm {chosen.__name__} (torch.ops._C.cpu_fused_moe after prepack_moe_weight, isa {isa})",
             [f"called outside the engine with the expert class's own prepacking and kernel, {torch.get_num_threads()} "
              "threads; the experts run eagerly in both of vLLM's modes (an opaque op in the compiled graph); "
-             "zentorch's MoE (used instead where zentorch is installed) is not probed"],
+             "zentorch's MoE (used instead where zentorch is installed) is not probed",
+             "the router is not probed: the kernel is fed FP32 top-k weights; vLLM's CPU router takes the softmax of "
+             "the top-k BF16 logits, which eagerly (enforce_eager) rounds the weights to BF16 before the kernel "
+             "(measured in the loop: docs/mismatch.md), compiled keeps them FP32"],
         )
 
     # -- attention ----------------------------------------------------------------------------
