@@ -46,11 +46,20 @@ def mlp(point: Point, act: torch.dtype, path: str = "mlp", profile_name: str = "
     return forward
 
 
-def router_fp32_weights(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The FP32 top-k weights HF's top-k router computes before it casts them to the activation
-    dtype: softmax of the logits in FP32, the values at the router's own top-k ids, renormalised
-    over the k when ``norm_topk_prob``. Differentiable in the logits."""
-    top = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, ids)
+def router_fp32_weights(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tensor,
+                        formula: str = "softmax_all") -> torch.Tensor:
+    """The FP32 top-k weights at the router's own top-k ids, before any rounding, as the profile's
+    ``router`` variant computes them (engineprofiles.regions.moe.route): ``softmax_all``, HF's
+    router before its cast (softmax of every logit in FP32, the top k renormalised over the k when
+    ``norm_topk_prob``), or ``softmax_topk`` (softmax of the top-k logits in FP32; without
+    ``norm_topk_prob``, exp(logit - logsumexp)). Differentiable in the logits."""
+    lf = logits.float()
+    if formula == "softmax_topk":
+        top = lf.gather(-1, ids)
+        if router.norm_topk_prob:
+            return torch.softmax(top, dim=-1)
+        return torch.exp(top - torch.logsumexp(lf, dim=-1, keepdim=True))
+    top = torch.softmax(lf, dim=-1).gather(-1, ids)
     if router.norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
     return top
@@ -59,15 +68,16 @@ def router_fp32_weights(router: torch.nn.Module, logits: torch.Tensor, ids: torc
 def moe_block(point: Point, act: torch.dtype, path: str = "mlp", profile_name: str = ""):
     """A sparse MoE block (router ``gate``, ``experts``) whose experts compute at the profile's
     ``moe`` point (``point``). The router runs as HF's module (its hooks, e.g. the recorded
-    ``router_logits``, see it unchanged); its top-k weights reach the experts in FP32 when the
-    point keeps ``routing_weight`` FP32 (the router's own values before its cast), else as the
-    router returns them (rounded to the activation dtype)."""
+    ``router_logits``, see it unchanged); its top-k weights reach the experts in FP32, computed as
+    the point's ``router`` variant says, when the point keeps ``routing_weight`` FP32 or routes
+    otherwise than HF (the experts op rounds them where the point says), else as the router returns
+    them (HF's FP32 weights rounded to the activation dtype)."""
     wrong_dtype = wrong_compute_dtype(path, act, profile_name)
     refuse_compile = refusal(
         f"{path}: a patched sparse MoE block computes its experts eagerly (the routed experts are found at run "
         "time), and its router's FP32 softmax compiled by Inductor would not compute eager's bits; run a patched "
         "MoE model eagerly")
-    fp32_weights = point["routing_weight"] == FP32
+    fp32_weights = point["routing_weight"] == FP32 or point["router"] != "softmax_all"
 
     def forward(self, hidden_states):
         if torch.compiler.is_compiling():
@@ -78,8 +88,11 @@ def moe_block(point: Point, act: torch.dtype, path: str = "mlp", profile_name: s
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         logits, weights, ids = router(x)
+        if point["router"] == "softmax_topk":
+            # the same experts, listed as torch.topk(logits, sorted=False) lists them (the combine's order)
+            ids = torch.topk(logits, ids.shape[-1], dim=-1, sorted=False)[1]
         if fp32_weights:
-            weights = router_fp32_weights(router, logits, ids)
+            weights = router_fp32_weights(router, logits, ids, point["router"])
         # .to(act): FP32 master weights (mixed precision) compute with their rounded copy.
         out = F.moe(x, experts.gate_up_proj.to(act), experts.down_proj.to(act), weights, ids, point, dtype=act)
         return out.reshape(shape)

@@ -66,8 +66,9 @@ class Adapter:
         return Unavailable(f"attention is not probed op-level for {self.name}")
 
     def moe(self) -> RegionImpl | Unavailable:
-        """The engine's MoE experts as it runs a sparse MoE block by default on this device:
-        ``moe(x[T, H], w13[E, 2I, H], w2[E, H, I], topk_weights[T, K] (FP32), topk_ids[T, K]) -> out[T, H]``."""
+        """The engine's sparse MoE block as it runs it by default on this device, from the router's
+        logits on (its router, then its experts): ``moe(x[T, H], w13[E, 2I, H], w2[E, H, I],
+        router_logits[T, E] (activation dtype), topk: int) -> out[T, H]``, top-k weights renormalized."""
         return Unavailable(f"{self.name} has no MoE experts probe")
 
     def attention_cases(self) -> tuple[tuple, ...]:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from .. import PROBE_VERSION, __version__
-from ..regions import BESIDE, REGIONS, Point, RegionSpec, add_rmsnorm_ref, moe_ref, rmsnorm_ref, rope_cos_sin, rope_ref, swiglu_ref
+from ..regions import BESIDE, REGIONS, Point, RegionSpec, add_rmsnorm_ref, moe_block_ref, rmsnorm_ref, rope_cos_sin, rope_ref, swiglu_ref
 from ..regions.moe import GemmMemo
 from ..rounding import act_dtype, dtype_name, ulp_distance
 from ..schema import Evidence, Profile, make_profile
@@ -54,7 +54,7 @@ def reference_outputs(region: str, p: Point, inp: dict[str, Any]) -> tuple[torch
     if region == "moe":
         # one GEMM memo per probe case: every lattice point is evaluated on the case's same tensors
         memo = inp.setdefault("gemm_memo", GemmMemo())
-        return (moe_ref(inp["x"], inp["w13"], inp["w2"], inp["topk_weights"], inp["topk_ids"], p, memo=memo),)
+        return (moe_block_ref(inp["x"], inp["w13"], inp["w2"], inp["router_logits"], inp["topk"], p, memo=memo),)
     if region == "rope":
         cos, sin = rope_cos_sin(inp["positions"], inp["q"].shape[-1], inp["base"])
         return (
@@ -73,7 +73,7 @@ def call_engine(region: str, impl: RegionImpl, inp: dict[str, Any], device: str)
     if region == "rope":
         out = impl.fn(dev["positions"], dev["q"].clone(), dev["k"].clone(), base=dev["base"], style=dev["style"])
     elif region == "moe":
-        out = impl.fn(dev["x"].clone(), dev["w13"], dev["w2"], dev["topk_weights"].clone(), dev["topk_ids"].clone())
+        out = impl.fn(dev["x"].clone(), dev["w13"], dev["w2"], dev["router_logits"].clone(), dev["topk"])
     elif region == "swiglu":
         out = impl.fn(dev["gate"], dev["up"])
     elif region == "rmsnorm":

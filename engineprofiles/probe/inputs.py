@@ -180,9 +180,10 @@ def _moe_inputs(s: dict[str, Any], dtype: torch.dtype, g: torch.Generator) -> di
         x = _with_outliers(torch.randn(t, h, generator=g), g, 0.01, 10)
         w13 = torch.randn(e, 2 * i, h, generator=g) * (1.5 / h ** 0.5)
         w2 = torch.randn(e, h, i, generator=g) * (1.0 / i ** 0.5)
-    # The router's FP32 weights: softmax over random logits, top-k, renormalized.
-    probs = torch.softmax(torch.randn(t, e, generator=g) * 1.5, dim=-1)
-    weights, ids = torch.topk(probs, k, dim=-1)
-    weights = weights / weights.sum(dim=-1, keepdim=True)
-    return dict(x=_act(x, dtype), w13=_act(w13, dtype), w2=_act(w2, dtype), topk_weights=weights.contiguous(),
-                topk_ids=ids.contiguous())
+    # The router's logits (the gate GEMM's output, activation dtype): per token the experts' levels
+    # 0.25 apart in a random order, jittered by less than a third of that, so no two tie (a tie
+    # would leave the choice of experts to each engine's top-k).
+    levels = (torch.arange(e, dtype=torch.float32) - (e - 1) / 2) * 0.25
+    order = torch.argsort(torch.rand(t, e, generator=g), dim=-1)
+    logits = levels[order] + (torch.rand(t, e, generator=g) - 0.5) * 0.16
+    return dict(x=_act(x, dtype), w13=_act(w13, dtype), w2=_act(w2, dtype), router_logits=_act(logits, dtype), topk=k)

@@ -92,7 +92,7 @@ class SyntheticAdapter(Adapter):
         if "moe" not in self.points:
             return super().moe()
 
-        def moe(x, w13, w2, topk_weights, topk_ids):
-            return self._run("moe", dict(x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids))[0]
+        def moe(x, w13, w2, router_logits, topk):
+            return self._run("moe", dict(x=x, w13=w13, w2=w2, router_logits=router_logits, topk=topk))[0]
 
         return RegionImpl(moe, f"synthetic {self.points['moe'].label()}")

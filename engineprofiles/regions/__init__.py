@@ -5,7 +5,7 @@ from .attention import SPEC as ATTENTION_SPEC
 from .attention import attention_fp32, attention_ref, causal_mask
 from .base import FP32, PRECISIONS, ROUNDED, Choice, Point, RegionSpec
 from .moe import SPEC as MOE_SPEC
-from .moe import moe_ref, sequential_linear
+from .moe import moe_block_ref, moe_ref, route, sequential_linear
 from .rmsnorm import ADD_SPEC, PLAIN_SPEC, add_rmsnorm_ref, rmsnorm_ref
 from .rope import SPEC as ROPE_SPEC
 from .rope import ROPE_TYPES, STYLES, RopeFrequencies, RopeParametersError, rope_cos_sin, rope_ref
@@ -32,6 +32,6 @@ def region(name: str) -> RegionSpec:
 __all__ = [
     "FP32", "ROUNDED", "PRECISIONS", "Choice", "Point", "RegionSpec", "REGIONS", "region", "STYLES",
     "ROPE_SPEC", "SWIGLU_SPEC", "ADD_SPEC", "PLAIN_SPEC",
-    "ATTENTION_SPEC", "MOE_SPEC", "BESIDE", "moe_ref", "sequential_linear", "attention_ref", "attention_fp32", "causal_mask",
+    "ATTENTION_SPEC", "MOE_SPEC", "BESIDE", "moe_ref", "moe_block_ref", "route", "sequential_linear", "attention_ref", "attention_fp32", "causal_mask",
     "rope_ref", "rope_cos_sin", "RopeFrequencies", "RopeParametersError", "ROPE_TYPES", "swiglu_ref", "rmsnorm_ref", "add_rmsnorm_ref",
 ]

@@ -2,8 +2,18 @@
 
 Recorded beside the regions (like attention): the dense SwiGLU region starts from gate/up already
 rounded by a BF16 GEMM, but a fused-MoE kernel can hand silu its FP32 GEMM accumulators, so the
-expert MLP is probed as one program, GEMMs included. Per token, for each of its top-k experts e
-with routing weight w (FP32 from the router's softmax):
+expert MLP is probed as one program, GEMMs included, from the router's logits on. The router
+(:func:`route`; the logits are the gate GEMM's output, in the activation dtype) picks each token's
+top-k experts and their FP32 weights (variant ``router``):
+
+    softmax_all:  p = softmax(fp32(logits)) over every expert; w = the top k of p, / their sum
+    softmax_topk: w = softmax(fp32(the top k logits))          (mathematically the same weights)
+
+(both for a model that renormalizes the top-k weights, as Qwen3-MoE does; without it, p's top k,
+and exp(top-k logit - logsumexp(logits)).) ``softmax_all`` lists a token's experts in descending
+order (torch.topk sorted, as HF and SGLang call it), ``softmax_topk`` in the order torch.topk(logits,
+sorted=False) gives them (as vLLM calls it): the order the weighted outputs are added in
+(``combine_order=topk``). Then, per token, for each of its experts e with weight w:
 
     gu = x @ w13[e]^T                      # variant gemm_order; site gate_up: rounded or FP32 accumulators
     g, u = gu[:I], gu[I:]
@@ -54,6 +64,9 @@ SPEC = RegionSpec(
         site("combine", "each partial sum over a token's experts rounded (a BF16 index_add)"),
     ),
     variants=(
+        variant("router", ("softmax_all", "softmax_topk"),
+                "the top-k weights: softmax over every expert's logit in FP32 then the top k renormalized (HF), "
+                "or softmax over the top-k logits in FP32 (vLLM's CPU router)"),
         variant("silu_formula", ("fused", "x_sigmoid", "x_div_1p_exp"),
                 "how silu is computed: torch's fused silu, gate*sigmoid(gate), or gate/(1+exp(-gate))"),
         variant("gemm_order", ("sequential", "library"),
@@ -89,23 +102,27 @@ def _linear(a: torch.Tensor, w: torch.Tensor, order: str, rounded: bool) -> torc
 
 
 class GemmMemo:
-    """The GEMMs of one set of inputs, for a caller that evaluates the reference at many lattice
-    points on the same tensors (the probe: once per point). Opt-in (``moe_ref(..., memo=...)``):
-    keyed on the tensors' identity and their version counters, so an in-place change of an input
-    (an optimizer step) is never answered from the memo; it holds the tensors it keys on."""
+    """The GEMMs (and routes) of a few sets of inputs, for a caller that evaluates the reference at
+    many lattice points on the same tensors (the probe: once per point). Opt-in (``moe_ref(...,
+    memo=...)``): keyed on the tensors' identity and their version counters, so an in-place change
+    of an input (an optimizer step) is never answered from the memo; it holds the tensors it keys on
+    (the last ``keep`` sets)."""
 
-    def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.values: dict = {}
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self.entries: list[tuple[tuple, dict]] = []
 
     def get(self, inputs: tuple, what: tuple, compute):  # noqa: ANN001
         key = tuple((t, t._version) for t in inputs)
-        if self.key is None or len(self.key) != len(key) or any(
-                a is not b or va != vb for (a, va), (b, vb) in zip(self.key, key)):
-            self.key, self.values = key, {}
-        if what not in self.values:
-            self.values[what] = compute()
-        return self.values[what]
+        for k, values in self.entries:
+            if len(k) == len(key) and all(a is b and va == vb for (a, va), (b, vb) in zip(k, key)):
+                break
+        else:
+            values = {}
+            self.entries = [*self.entries[-(self.keep - 1):], (key, values)]
+        if what not in values:
+            values[what] = compute()
+        return values[what]
 
 
 class _NoMemo:
@@ -191,3 +208,37 @@ def moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: 
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
     y = expert_outputs(x, w13, w2, topk_ids, point, math=math, memo=memo)
     return round_to(combine(y, topk_weights, topk_ids, point, dt), dt).to(dt)
+
+
+def route(logits: torch.Tensor, k: int, point: Point, *, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router at ``point``: (FP32 top-k weights before the ``routing_weight`` site, expert ids),
+    (tokens, k) each, in the order the variant lists them (module docstring). ``logits``: (tokens,
+    experts), in the activation dtype."""
+    lf = logits.float()
+    if point["router"] == "softmax_all":
+        p = torch.softmax(lf, dim=-1)
+        w, ids = torch.topk(p, k, dim=-1)
+        if renormalize:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w, ids
+    v, ids = torch.topk(logits, k, dim=-1, sorted=False)
+    if renormalize:
+        return torch.softmax(v.float(), dim=-1), ids
+    return torch.exp(v.float() - torch.logsumexp(lf, dim=-1, keepdim=True)), ids
+
+
+def moe_block_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor, k: int, point: Point,
+                  *, renormalize: bool = True, math: MathMode = "torch", memo: GemmMemo | None = None) -> torch.Tensor:
+    """The router (:func:`route`) then the experts (:func:`moe_ref`) at ``point``: a sparse MoE block
+    from its router logits (tokens, experts) on, (tokens, hidden) in the activation dtype."""
+    if logits.dim() != 2 or logits.shape[0] != x.shape[0] or logits.shape[1] != w13.shape[0]:
+        raise ValueError(f"moe: router logits must be (tokens, experts) = ({x.shape[0]}, {w13.shape[0]}); got "
+                         f"{tuple(logits.shape)}")
+    if not 0 < k <= w13.shape[0]:
+        raise ValueError(f"moe: top-k must lie in [1, {w13.shape[0]}]; got {k}")
+    if memo is not None:  # one route per router variant: the same ids object for the experts' memo
+        w, ids = memo.get((logits,), ("route", k, point["router"], renormalize),
+                          lambda: route(logits, k, point, renormalize=renormalize))
+    else:
+        w, ids = route(logits, k, point, renormalize=renormalize)
+    return moe_ref(x, w13, w2, w.contiguous(), ids.contiguous(), point, math=math, memo=memo)

@@ -16,7 +16,7 @@ from emulator import functional as F
 from emulator.errors import InputError, ProfileMismatch, RegionUnavailable
 from emulator.ops.moe import moe_backward
 from engineprofiles.models import init_weights, tiny_inputs, tiny_model
-from engineprofiles.regions import MOE_SPEC, SWIGLU_SPEC, moe_ref
+from engineprofiles.regions import MOE_SPEC, SWIGLU_SPEC, moe_block_ref, moe_ref
 from engineprofiles.rounding import to_act
 from engineprofiles.schema import profile_from_yaml
 from engineprofiles.store import get_profile
@@ -29,7 +29,10 @@ TRANSFORMERS_PROFILE = "transformers-5.19.0-cpu-eager-bfloat16"
 MEASURED = {
     "vllm-0.32.0-cpu": MOE_SPEC.point(
         gate_up="fp32", silu="fp32", expert_out="fp32", routing_weight="fp32", weighted="fp32", combine="fp32",
-        silu_formula="fused", gemm_order="sequential", combine_order="topk", combine_fma="fma"),
+        router="softmax_topk", silu_formula="fused", gemm_order="sequential", combine_order="topk", combine_fma="fma"),
+    "vllm-0.32.0-cpu-eager": MOE_SPEC.point(
+        gate_up="fp32", silu="fp32", expert_out="fp32", routing_weight="rounded", weighted="fp32", combine="fp32",
+        router="softmax_topk", silu_formula="fused", gemm_order="sequential", combine_order="topk", combine_fma="fma"),
     "sglang-0.5.23-cpu": MOE_SPEC.point(
         gate_up="rounded", silu="rounded", expert_out="rounded", routing_weight="fp32", weighted="fp32",
         combine="fp32", silu_formula="fused", gemm_order="library", combine_order="topk", combine_fma="none"),
@@ -109,7 +112,12 @@ def test_patched_sparse_block_is_moe_ref_at_the_profiles_point_bitwise(engine, n
         with emulator.apply_profile(model, with_moe(TRANSFORMERS_PROFILE, measured(point)), skip_native=False) as h:
             assert "moe" in h.emulated and "model.layers.0.mlp" in h.modules
             got = block(x)
-        want = moe_ref(x2, ex.gate_up_proj, ex.down_proj, w32, ids, point).reshape(x.shape)
+        logits = torch.nn.functional.linear(x2, block.gate.weight)
+        want = moe_block_ref(x2, ex.gate_up_proj, ex.down_proj, logits, block.gate.top_k, point,
+                             renormalize=norm_topk_prob).reshape(x.shape)
+        if point["router"] == "softmax_all":  # from HF's router's own FP32 weights and ids, the same
+            assert_same_bits(moe_ref(x2, ex.gate_up_proj, ex.down_proj, w32, ids, point).reshape(x.shape), want,
+                             "moe_ref from the router's weights")
         # The router's own (rounded) weights are the FP32 ones rounded to nearest even: the routing_weight site.
         _, hf_w, hf_ids = block.gate(x2)
         assert torch.equal(hf_ids, ids)
@@ -118,11 +126,16 @@ def test_patched_sparse_block_is_moe_ref_at_the_profiles_point_bitwise(engine, n
         assert_same_bits(got, want, f"{engine}: patched block vs moe_ref")
         # The check can fail: the same inputs at a point with gate_up flipped give other bits.
         flipped = point.replace(gate_up="fp32" if point["gate_up"] == "rounded" else "rounded")
-        other = moe_ref(x2, ex.gate_up_proj, ex.down_proj, w32, ids, flipped).reshape(x.shape)
+        other = moe_block_ref(x2, ex.gate_up_proj, ex.down_proj, logits, block.gate.top_k, flipped,
+                              renormalize=norm_topk_prob).reshape(x.shape)
         assert not torch.equal(other, want), "the flipped point must differ here"
-        if point["routing_weight"] == "fp32":  # and the router's rounded weights would too
+        if point["routing_weight"] == "fp32" and point["router"] == "softmax_all":  # the router's rounded weights differ
             rounded = moe_ref(x2, ex.gate_up_proj, ex.down_proj, hf_w, ids, point).reshape(x.shape)
             assert not torch.equal(rounded, want)
+        flipped = point.replace(routing_weight="fp32" if point["routing_weight"] == "rounded" else "rounded")
+        other = moe_block_ref(x2, ex.gate_up_proj, ex.down_proj, logits, block.gate.top_k, flipped,
+                              renormalize=norm_topk_prob).reshape(x.shape)
+        assert not torch.equal(other, want), "the routing_weight site is visible here"
         if point != HF_POINT:
             assert not torch.equal(plain, got), "the engine's point differs from HF's own experts here"
 
@@ -381,3 +394,34 @@ def test_class_patch_of_the_family():
         h = emulator.handle_of(model)
         assert h is not None and h.family.name == "qwen3_moe" and "moe" in h.emulated
     h.remove()
+
+
+@pytest.mark.parametrize("engine", ["vllm-0.32.0-cpu", "transformers-5.19-cpu"])
+def test_the_experts_get_the_routers_weights_in_the_order_the_point_lists_them(engine, monkeypatch):
+    """softmax_topk (vLLM): the experts of torch.topk(logits, sorted=False), in that order (the order
+    the weighted outputs are added in), with the softmax of their logits; softmax_all (HF): the
+    router's own ids and weights. Checked on what reaches the experts op."""
+    point = MEASURED[engine]
+    model = tiny_moe(seed=5, num_experts=8, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1])
+    block = model.model.layers[0].mlp
+    x = hidden((1, 64, 64), seed=6)
+    x2 = x.reshape(-1, 64)
+    seen = []
+    real = F.moe
+
+    def spy(x_, w13, w2, weights, ids, *args, **kw):
+        seen.append((weights, ids))
+        return real(x_, w13, w2, weights, ids, *args, **kw)
+
+    monkeypatch.setattr(F, "moe", spy)
+    with torch.no_grad(), emulator.apply_profile(model, with_moe(TRANSFORMERS_PROFILE, measured(point)), skip_native=False):
+        block(x)
+    (weights, ids), = seen
+    logits = torch.nn.functional.linear(x2, block.gate.weight)
+    _, hf_w, hf_ids = block.gate(x2)
+    if point["router"] == "softmax_topk":
+        v, unsorted = torch.topk(logits, 4, dim=-1, sorted=False)
+        assert torch.equal(ids, unsorted) and not torch.equal(ids, hf_ids)  # another order here
+        assert torch.equal(weights, torch.softmax(v.float(), -1))
+    else:
+        assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_w)

@@ -85,7 +85,7 @@ def test_hf_qwen3_moe_experts_equal_the_reference_at_their_point(impl):
 def test_the_lattice_canonicalizes_the_fma_of_a_rounded_product():
     pts = MOE_SPEC.all_points()
     assert all(p["combine_fma"] == "none" for p in pts if p["weighted"] == R)
-    assert len(pts) == 2 ** 5 * 3 * 2 * 2 * 3  # 6 sites, silu_formula x gemm_order x combine_order x (fma, none | none)
+    assert len(pts) == 2 ** 5 * 2 * 3 * 2 * 2 * 3  # 6 sites, router x silu_formula x gemm_order x combine_order x (fma, none | none)
 
 
 @pytest.mark.parametrize("bad", ["w13_shape", "ids_range", "dtype", "topk_shape"])
@@ -120,3 +120,33 @@ def test_the_gemm_memo_is_opt_in_and_never_answers_for_inputs_changed_in_place()
     with torch.no_grad():
         w13.mul_(0.5)
     assert torch.equal(moe_ref(x, w13, w2, tw, ids, p, memo=memo), before)  # the version counter moved
+
+
+def test_the_routers_by_hand_and_hf_s_router_at_its_point():
+    """softmax_all: softmax of every logit, top k (descending), renormalized (HF's router before its
+    cast, checked against Qwen3MoeTopKRouter fed the logits through an identity gate); softmax_topk:
+    softmax of the top-k logits, in the order torch.topk(sorted=False) lists them (vLLM's CPU router)."""
+    from engineprofiles.regions import route
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(9, 8, generator=g).to(BF)
+    p_all = MOE_SPEC.point(dict(gate_up=R, silu=R, expert_out=R, routing_weight=R, weighted=R, combine=F))
+    p_top = p_all.replace(router="softmax_topk")
+    w, ids = route(logits, 3, p_all)
+    p = torch.softmax(logits.float(), -1)
+    top, want_ids = p.topk(3)
+    assert torch.equal(ids, want_ids) and torch.equal(w, top / top.sum(-1, keepdim=True))
+    w2, ids2 = route(logits, 3, p_top)
+    v, unsorted = torch.topk(logits, 3, sorted=False)
+    assert torch.equal(ids2, unsorted) and torch.equal(w2, torch.softmax(v.float(), -1))
+    assert torch.equal(ids2.sort(-1).values, ids.sort(-1).values)  # the same experts
+    pytest.importorskip("transformers")
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    router = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=8, num_experts=8, num_experts_per_tok=3,
+                                               norm_topk_prob=True)).to(BF)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(8))
+    _, hf_w, hf_ids = router(logits)
+    assert torch.equal(hf_ids, ids) and torch.equal(hf_w, w.to(BF))  # routing_weight=rounded: HF's cast

@@ -145,10 +145,11 @@ class SglangAdapter(Adapter):
         }
 
     def moe(self) -> RegionImpl | Unavailable:
-        """The experts of an unquantized sparse MoE block as SGLang's CPU engine runs them: on a host
-        without AMX its unquantized MoE method's ``forward_cpu`` calls ``moe_forward_native`` (with
-        AMX it calls sgl_kernel's ``fused_experts_cpu``, which this CPU build does not carry), fed the
-        FP32 top-k weights its torch-native top-k returns."""
+        """An unquantized sparse MoE block as SGLang's CPU engine runs it, from the router logits on:
+        its ``TopK`` layer's native path (``select_experts`` with ``torch_native``, what ``forward_native``
+        sets; SGLang's CPU engine dispatches its layers to ``forward_native`` without AMX), then, on a
+        host without AMX, its unquantized MoE method's ``forward_cpu``: ``moe_forward_native`` (with AMX
+        it calls sgl_kernel's ``fused_experts_cpu``, which this CPU build does not carry)."""
         if self.device != "cpu":
             return Unavailable(f"the MoE experts are probed op-level on CPU only (device {self.device})")
         if self.mode != "default":
@@ -161,6 +162,7 @@ class SglangAdapter(Adapter):
         try:
             from sglang.srt.layers.moe.fused_moe_native import moe_forward_native
             from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+            from sglang.srt.layers.moe.topk import TopKConfig, select_experts
         except ImportError as e:  # pragma: no cover - another SGLang layout
             return Unavailable(f"SGLang's native MoE forward is not importable here ({e})")
 
@@ -168,12 +170,15 @@ class SglangAdapter(Adapter):
             def __init__(self, w13, w2):
                 self.w13_weight, self.w2_weight, self.num_experts = w13, w2, w13.shape[0]
 
-        def moe(x, w13, w2, topk_weights, topk_ids):
-            cfg = MoeRunnerConfig(num_experts=w13.shape[0], top_k=topk_ids.shape[1], activation="silu")
+        def moe(x, w13, w2, router_logits, topk):
+            cfg = MoeRunnerConfig(num_experts=w13.shape[0], top_k=topk, activation="silu")
             with torch.no_grad():
-                return moe_forward_native(_Layer(w13, w2), x, (topk_weights.float(), topk_ids, None), cfg)
+                topk_output = select_experts(hidden_states=x, router_logits=router_logits, layer_id=0,
+                                             topk_config=TopKConfig(top_k=topk, renormalize=True, torch_native=True))
+                return moe_forward_native(_Layer(w13, w2), x, topk_output, cfg)
 
-        return RegionImpl(moe, f"sglang moe_forward_native (UnquantizedFusedMoEMethod.forward_cpu without AMX, {self._dispatch()})",
+        return RegionImpl(moe, f"sglang select_experts (TopK, torch_native), then moe_forward_native "
+                          f"(UnquantizedFusedMoEMethod.forward_cpu without AMX, {self._dispatch()})",
                           [f"called outside the engine with {torch.get_num_threads()} threads"])
 
     def attention_cases(self) -> tuple[tuple, ...]:

@@ -190,38 +190,43 @@ class TransformersAdapter(Adapter):
         return _attention(self)
 
     def moe(self) -> RegionImpl | Unavailable:
-        """The experts of Qwen3-MoE's sparse MoE block as HF runs them: the experts module of a model
-        built the way ``from_config``/``from_pretrained`` build it (HF then picks its default experts
-        implementation for the device, read back into the path), with the router's last step applied
-        to the FP32 top-k weights (Qwen3MoeTopKRouter casts them to the activation dtype). With a
-        given model: its first experts module, called the same way."""
+        """Qwen3-MoE's sparse MoE block as HF runs it, from the router logits on: its router
+        (Qwen3MoeTopKRouter: softmax in FP32, top-k, renormalized, cast to the activation dtype),
+        fed the logits through an identity gate, then the experts module of a model built the way
+        ``from_config``/``from_pretrained`` build it (HF then picks its default experts
+        implementation for the device, read back into the path). With a given model: its first
+        router and experts modules (the router's gate weight swapped for the identity meanwhile)."""
         from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-        given = None
+        given = given_router = None
         if self.model is not None:
             given = next((m for m in self.model.modules() if type(m).__name__.endswith("Experts")
                           and hasattr(m, "gate_up_proj")), None)
-            if given is None:
-                return Unavailable(f"{type(self.model).__name__} has no sparse MoE experts module")
-        impl_name: list[str] = []
+            given_router = next((m for m in self.model.modules() if type(m).__name__.endswith("TopKRouter")), None)
+            if given is None or given_router is None:
+                return Unavailable(f"{type(self.model).__name__} has no sparse MoE block (top-k router and experts)")
 
-        def moe(x, w13, w2, topk_weights, topk_ids):
-            experts = given
+        def moe(x, w13, w2, router_logits, topk):
+            experts, router = given, given_router
+            e, two_i, h = w13.shape
             if experts is None:
-                e, two_i, h = w13.shape
                 cfg = Qwen3MoeConfig(hidden_size=h, intermediate_size=two_i, moe_intermediate_size=two_i // 2,
-                                     num_experts=e, num_experts_per_tok=topk_ids.shape[1], num_hidden_layers=1,
+                                     num_experts=e, num_experts_per_tok=topk, num_hidden_layers=1, norm_topk_prob=True,
                                      num_attention_heads=1, num_key_value_heads=1, head_dim=32, vocab_size=32)
                 model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype).to(self.device)
-                experts = model.model.layers[0].mlp.experts
-                impl_name[:] = [str(model.config._experts_implementation)]
+                experts, router = model.model.layers[0].mlp.experts, model.model.layers[0].mlp.gate
+            eye = torch.eye(e, dtype=router.weight.dtype, device=router.weight.device)
             with torch.no_grad():
-                saved = experts.gate_up_proj.data, experts.down_proj.data
-                experts.gate_up_proj.data, experts.down_proj.data = w13, w2
+                saved = experts.gate_up_proj.data, experts.down_proj.data, router.weight.data
+                saved_dims = router.hidden_dim, router.top_k
+                experts.gate_up_proj.data, experts.down_proj.data, router.weight.data = w13, w2, eye
+                router.hidden_dim, router.top_k = e, topk
                 try:
-                    return experts(x, topk_ids, topk_weights.to(x.dtype))
+                    _, weights, ids = router(router_logits)  # the identity gate hands the logits on exactly
+                    return experts(x, ids, weights)
                 finally:
-                    experts.gate_up_proj.data, experts.down_proj.data = saved
+                    experts.gate_up_proj.data, experts.down_proj.data, router.weight.data = saved
+                    router.hidden_dim, router.top_k = saved_dims
 
         default = "the default experts implementation"
         if given is None:
@@ -236,7 +241,7 @@ class TransformersAdapter(Adapter):
         else:
             default = f"experts_implementation {getattr(given.config, '_experts_implementation', None)}"
         owner = type(given).__name__ if given is not None else "Qwen3MoeExperts"
-        return RegionImpl(moe, f"transformers {owner}.forward ({default}), router weights cast as Qwen3MoeTopKRouter casts them",
+        return RegionImpl(moe, f"transformers Qwen3MoeTopKRouter.forward (identity gate), then {owner}.forward ({default})",
                           [f"model family qwen3_moe, {torch.get_num_threads()} threads"])
 
     # -- building the family's modules for a probe shape ---------------------------------------

@@ -238,12 +238,12 @@ class VllmAdapter(Adapter):
 
     # -- MoE experts ---------------------------------------------------------------------------
     def moe(self) -> RegionImpl | Unavailable:
-        """The experts of an unquantized sparse MoE block as vLLM runs them on this device: the
-        first of the oracle's CPU expert classes (AMX, Arm, Power, then the portable vector one)
-        that supports the device, its own weight prepacking and its fused kernel with the ISA the
-        class names. The router's FP32 top-k weights and int32 ids go in as its CPU router hands
-        them over. The fused kernel runs eagerly in both of vLLM's modes (an opaque op in the
-        compiled graph). CPU only."""
+        """An unquantized sparse MoE block as vLLM runs it on this device, from the router logits on:
+        its CPU router's softmax top-k (plain torch ops, compiled with the model in the compiled
+        mode, eager otherwise), then the first of the oracle's CPU expert classes (AMX, Arm, Power,
+        then the portable vector one) that supports the device, its own weight prepacking and its
+        fused kernel with the ISA the class names (an opaque op in the compiled graph: eager in
+        both modes). CPU only."""
         if self.device != "cpu":
             return Unavailable(f"the MoE experts are probed op-level on CPU only (device {self.device})")
         try:
@@ -258,8 +258,33 @@ class VllmAdapter(Adapter):
         if chosen is None:
             return Unavailable("none of vLLM's unquantized CPU expert classes supports this device")
         isa = chosen.isa
+        try:  # vLLM 0.32: the CPU router's softmax top-k; 0.28: the same code in cpu_moe.select_experts
+            from vllm.model_executor.layers.fused_moe.router.cpu_router import _softmax_topk as softmax_topk
+            router_path = "CPURouter's _softmax_topk"
+        except ImportError:
+            def softmax_topk(logits, k, renormalize):
+                return cpu_moe.select_experts(logits, logits, k, False, renormalize)
+            router_path = "cpu_moe.select_experts"
 
-        def moe(x, w13, w2, topk_weights, topk_ids):
+        class _Router(torch.nn.Module):
+            def __init__(self, k: int):
+                super().__init__()
+                self.k = k
+
+            def forward(self, logits):
+                return softmax_topk(logits, self.k, True)
+
+        routers: dict[int, Any] = {}
+        compiled = self.mode == "compiled"
+
+        def route(logits, k):
+            if k not in routers:
+                r = _Router(k)
+                routers[k] = self._compiled(r, ("logits",)) if compiled else r
+            return routers[k](logits)
+
+        def moe(x, w13, w2, router_logits, topk):
+            topk_weights, topk_ids = route(router_logits, topk)
             out = torch.empty_like(x)
             # The op itself (its Python wrapper's signature changed between versions; the op's did not).
             torch.ops._C.cpu_fused_moe(out, x.contiguous(), ops.cpu_prepack_moe_weight(w13.contiguous(), isa),
@@ -270,13 +295,11 @@ class VllmAdapter(Adapter):
 
         return RegionImpl(
             moe,
-            f"vllm {chosen.__name__} (torch.ops._C.cpu_fused_moe after prepack_moe_weight, isa {isa})",
+            f"vllm {router_path} ({'compiled as the engine compiles the model' if compiled else 'eager'}), then "
+            f"{chosen.__name__} (torch.ops._C.cpu_fused_moe after prepack_moe_weight, isa {isa})",
             [f"called outside the engine with the expert class's own prepacking and kernel, {torch.get_num_threads()} "
              "threads; the experts run eagerly in both of vLLM's modes (an opaque op in the compiled graph); "
-             "zentorch's MoE (used instead where zentorch is installed) is not probed",
-             "the router is not probed: the kernel is fed FP32 top-k weights; vLLM's CPU router takes the softmax of "
-             "the top-k BF16 logits, which eagerly (enforce_eager) rounds the weights to BF16 before the kernel "
-             "(measured in the loop: docs/mismatch.md), compiled keeps them FP32"],
+             "zentorch's MoE (used instead where zentorch is installed) is not probed"],
         )
 
     # -- attention ----------------------------------------------------------------------------

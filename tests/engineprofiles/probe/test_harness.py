@@ -151,7 +151,9 @@ def _moe_points():
     F, R = "fp32", "rounded"
     measured = [
         MOE_SPEC.point(dict(gate_up=F, silu=F, expert_out=F, routing_weight=F, weighted=F, combine=F),
-                       dict(gemm_order="sequential", combine_fma="fma")),  # vLLM's fused kernel
+                       dict(router="softmax_topk", gemm_order="sequential", combine_fma="fma")),  # vLLM compiled
+        MOE_SPEC.point(dict(gate_up=F, silu=F, expert_out=F, routing_weight=R, weighted=F, combine=F),
+                       dict(router="softmax_topk", gemm_order="sequential", combine_fma="fma")),  # vLLM eager
         MOE_SPEC.point(dict(gate_up=R, silu=R, expert_out=R, routing_weight=F, weighted=F, combine=F),
                        dict(gemm_order="library", combine_fma="none")),  # SGLang's native MoE
         MOE_SPEC.point(dict(gate_up=R, silu=R, expert_out=R, routing_weight=R, weighted=R, combine=F),
