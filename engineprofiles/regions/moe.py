@@ -152,12 +152,18 @@ def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
                    *, math: MathMode = "torch", memo: GemmMemo | None = None) -> torch.Tensor:
     """Y[t, j]: the FP32 values of expert ``topk_ids[t, j]``'s output for token t (rounded to the
     activation dtype where ``expert_out`` says so), computed expert by expert on the rows routed to it."""
+    cache = memo if memo is not None else _NoMemo
+    key = ("y", point["gemm_order"], point["gate_up"], point["silu"], point["silu_formula"], math, point["expert_out"])
+    return cache.get((x, w13, w2, topk_ids), key, lambda: _expert_outputs(x, w13, w2, topk_ids, point, math, cache))
+
+
+def _expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, point: Point,
+                    math: MathMode, cache: GemmMemo | type[_NoMemo]) -> torch.Tensor:
     dt = act_dtype(x.dtype)
     tokens, k = topk_ids.shape
     inter = w13.shape[1] // 2
     order = point["gemm_order"]
     inputs = (x, w13, w2, topk_ids)
-    cache = memo if memo is not None else _NoMemo
     y = torch.zeros(tokens, k, x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         t_idx, slot = torch.where(topk_ids == e)
