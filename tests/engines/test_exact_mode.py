@@ -34,7 +34,7 @@ VERSION = "0.32.0"
 # prompts in docs/mismatch.md.
 CASES = [("qwen2", "default", None), ("qwen3", "default", None), ("llama", "default", None),
          ("mistral", "default", None), ("llama", "default", "llama3"), ("llama", "default", "linear"),
-         ("qwen3", "eager", None), ("qwen3_moe", "default", None)]
+         ("qwen3", "eager", None), ("qwen3_moe", "default", None), ("qwen3_moe", "eager", None)]
 
 
 @pytest.mark.engine
