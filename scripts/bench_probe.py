@@ -2,8 +2,9 @@
 
     .venv/bin/python scripts/bench_probe.py [vllm|sglang|transformers] [--env VERSION] [--runs N]
 
-Each round runs the whole command `probe-engine ENGINE -o FILE` (op-level for vLLM: the per-region
-probe, three regions plus plain RMSNorm, the whole shape sweep, in the engine's environment) twice
+Each round runs the whole command `probe-engine ENGINE -o FILE` (op-level for vLLM and SGLang: the
+per-region probe, three regions plus plain RMSNorm, attention and the MoE experts, the whole shape
+sweep, in the engine's environment) twice
 with one fresh Inductor cache folder: the first run compiles every graph (cold), the second finds
 them in the cache (warm). It prints the wall time of the whole command (process start to exit,
 including the re-exec into the engine environment and writing the YAML) and the time per region
@@ -35,8 +36,8 @@ def run(engine: str, env: str | None, cache: str, work: str, tag: str) -> dict[s
     timings = os.path.join(work, f"{tag}.json")
     e = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, ENGINEPROFILES_TIMINGS=timings)
     cmd = [str(REPO / ".venv" / "bin" / "probe-engine"), engine, "-o", os.path.join(work, f"{tag}.yaml")]
-    if engine == "vllm":
-        cmd.append("--op-level")  # the per-region probe; in situ starts a whole engine
+    if engine in ("vllm", "sglang"):
+        cmd.append("--op-level")  # the per-region probe; in situ (their default) starts a whole engine
     if env:
         cmd += ["--env", env]
     load = os.getloadavg()[0]
@@ -64,7 +65,7 @@ def main() -> None:
             print(f"round {i + 1}/{a.runs}", file=sys.stderr, flush=True)
             rounds.append((run(a.engine, a.env, cache, d, f"cold{i}"), run(a.engine, a.env, cache, d, f"warm{i}")))
 
-    print(f"probe-engine {a.engine}{' --op-level' if a.engine == 'vllm' else ''}: seconds "
+    print(f"probe-engine {a.engine}{' --op-level' if a.engine in ('vllm', 'sglang') else ''}: seconds "
           f"({os.cpu_count()} cores; wall = the whole command, process start to exit)")
     cols = [f"cold {i + 1}" for i in range(a.runs)] + [f"warm {i + 1}" for i in range(a.runs)]
     if a.runs > 1:
