@@ -292,9 +292,16 @@ def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_to
     return load_capture(out)
 
 
+# An MoE model's experts (config fields), reported beside its size.
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+
+
 def model_fields(model: Any) -> dict[str, Any]:
-    """The tiny model's size (:data:`SIZE_FIELDS`) and, when its RoPE is scaled, its rope_parameters."""
+    """The tiny model's size (:data:`SIZE_FIELDS`), an MoE model's experts (:data:`MOE_FIELDS`) and,
+    when its RoPE is scaled, its rope_parameters."""
     out: dict[str, Any] = {k: getattr(model.config, k) for k in SIZE_FIELDS}
+    if getattr(model.config, "num_experts", None):
+        out.update({k: getattr(model.config, k) for k in MOE_FIELDS})
     rope = dict(getattr(model.config, "rope_parameters", None) or {})
     if rope.get("rope_type", "default") != "default":
         out["rope_parameters"] = rope

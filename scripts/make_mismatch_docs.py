@@ -81,7 +81,10 @@ def main() -> None:
         d = json.loads(f.read_text())
         e = d["engine"]
         m = d.get("model") or {}
-        size = (f"{m.get('num_hidden_layers')} layers, hidden {m.get('hidden_size')}, MLP {m.get('intermediate_size')}, "
+        mlp = (f"MLP {m.get('intermediate_size')}" if not m.get("num_experts") else
+               f"{m['num_experts']} experts of width {m.get('moe_intermediate_size')}, top-{m.get('num_experts_per_tok')}"
+               + (" renormalized" if m.get("norm_topk_prob") else ""))
+        size = (f"{m.get('num_hidden_layers')} layers, hidden {m.get('hidden_size')}, {mlp}, "
                 f"{m.get('num_attention_heads')}/{m.get('num_key_value_heads')} heads, head dim {m.get('head_dim')}"
                 if m else "the tiny default")
         rope = m.get("rope_parameters")
