@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from engineprofiles.regions import FP32, Point, RopeFrequencies
+from engineprofiles.regions import FP32, Point, RopeFrequencies, route
 
 from .. import functional as F
 from ..errors import ProfileMismatch, ResidualStreamLost
@@ -46,25 +46,6 @@ def mlp(point: Point, act: torch.dtype, path: str = "mlp", profile_name: str = "
     return forward
 
 
-def router_fp32_weights(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tensor,
-                        formula: str = "softmax_all") -> torch.Tensor:
-    """The FP32 top-k weights at the router's own top-k ids, before any rounding, as the profile's
-    ``router`` variant computes them (engineprofiles.regions.moe.route): ``softmax_all``, HF's
-    router before its cast (softmax of every logit in FP32, the top k renormalised over the k when
-    ``norm_topk_prob``), or ``softmax_topk`` (softmax of the top-k logits in FP32; without
-    ``norm_topk_prob``, exp(logit - logsumexp)). Differentiable in the logits."""
-    lf = logits.float()
-    if formula == "softmax_topk":
-        top = lf.gather(-1, ids)
-        if router.norm_topk_prob:
-            return torch.softmax(top, dim=-1)
-        return torch.exp(top - torch.logsumexp(lf, dim=-1, keepdim=True))
-    top = torch.softmax(lf, dim=-1).gather(-1, ids)
-    if router.norm_topk_prob:
-        top = top / top.sum(dim=-1, keepdim=True)
-    return top
-
-
 def moe_block(point: Point, act: torch.dtype, path: str = "mlp", profile_name: str = ""):
     """A sparse MoE block (router ``gate``, ``experts``) whose experts compute at the profile's
     ``moe`` point (``point``). The router runs as HF's module (its hooks, e.g. the recorded
@@ -88,11 +69,8 @@ def moe_block(point: Point, act: torch.dtype, path: str = "mlp", profile_name: s
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         logits, weights, ids = router(x)
-        if point["router"] == "softmax_topk":
-            # the same experts, listed as torch.topk(logits, sorted=False) lists them (the combine's order)
-            ids = torch.topk(logits, ids.shape[-1], dim=-1, sorted=False)[1]
-        if fp32_weights:
-            weights = router_fp32_weights(router, logits, ids, point["router"])
+        if fp32_weights:  # the reference's router on HF's logits (differentiable in them), FP32 weights
+            weights, ids = route(logits, ids.shape[-1], point, renormalize=router.norm_topk_prob)
         # .to(act): FP32 master weights (mixed precision) compute with their rounded copy.
         out = F.moe(x, experts.gate_up_proj.to(act), experts.down_proj.to(act), weights, ids, point, dtype=act)
         return out.reshape(shape)

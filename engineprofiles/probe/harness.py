@@ -250,10 +250,11 @@ def run_probe(
     results: dict[str, RegionResult] = {}
     points: dict[str, Point | None] = {}
     evidence: dict[str, Evidence] = {}
-    for name in REGIONS:
-        impl = impls.get(name)
+    for name in (*REGIONS, "moe"):  # the MoE experts are probed the same way, recorded beside the regions
         if regions is not None and name not in regions:
             impl = Unavailable("not probed in this run (--region)")
+        else:
+            impl = adapter.moe() if name == "moe" else impls.get(name)
         if impl is None:
             impl = Unavailable(f"{info.name} has no implementation of {name}")
         if isinstance(impl, Unavailable):
@@ -267,16 +268,7 @@ def run_probe(
         d = decide(results[name])
         points[name], evidence[name] = d.winner, d.evidence
     att_point, att_ev = _attention(adapter, regions, dt, seed, quick, progress)
-    moe_impl = adapter.moe() if regions is None or "moe" in regions else Unavailable("not probed in this run (--region)")
-    if isinstance(moe_impl, Unavailable):
-        results["moe"] = RegionResult("moe", None, unavailable=str(moe_impl))
-        if progress:
-            progress(f"moe: unavailable ({moe_impl})")
-    else:
-        if progress:
-            progress(f"moe: probing {moe_impl.path}")
-        results["moe"] = probe_region("moe", moe_impl, dt, device, seed, quick, progress, adapter.sweep("moe"))
-    moe = decide(results["moe"])
+    moe_point, moe_evidence = points.pop("moe"), evidence.pop("moe")
     profile = make_profile(
         engine=dict(
             name=info.name, version=info.version, backend=info.backend, device=info.device,
@@ -287,8 +279,8 @@ def run_probe(
         evidence=evidence,
         attention=att_point,
         attention_evidence=att_ev,
-        moe=moe.winner,
-        moe_evidence=moe.evidence,
+        moe=moe_point,
+        moe_evidence=moe_evidence,
         provenance=dict(
             date=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
             probe_version=PROBE_VERSION,

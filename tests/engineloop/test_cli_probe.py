@@ -97,10 +97,11 @@ def test_bad_arguments_are_refused_before_handing_over_to_an_engine_environment(
 
 
 def test_region_names_agree_with_the_region_specs():
-    from engineprofiles.names import REGION_NAMES
-    from engineprofiles.regions import REGIONS
+    from engineprofiles.names import BESIDE_NAMES, REGION_NAMES
+    from engineprofiles.regions import BESIDE, REGIONS
 
     assert REGION_NAMES == tuple(REGIONS)
+    assert BESIDE_NAMES == tuple(BESIDE)  # --region checks these names without loading torch
 
 
 def test_the_process_that_hands_over_does_not_load_torch():

@@ -228,10 +228,8 @@ class TransformersAdapter(Adapter):
                     experts.gate_up_proj.data, experts.down_proj.data, router.weight.data = saved
                     router.hidden_dim, router.top_k = saved_dims
 
-        default = "the default experts implementation"
         if given is None:
             try:
-                from transformers import AutoModelForCausalLM as _A  # noqa: F401
                 probe_cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=2,
                                            num_experts_per_tok=1, num_hidden_layers=1, num_attention_heads=1,
                                            num_key_value_heads=1, head_dim=32, vocab_size=32)
