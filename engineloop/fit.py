@@ -164,7 +164,7 @@ def fit_profiles(pairs: list[tuple[str, Any, dict[str, Any]]], start: "Profile",
     norms exercise the plain RMSNorm's output site, which Qwen2 and Llama never hand on in FP32)."""
     from emulator.patching import apply_profile
     from engineprofiles.regions import REGIONS
-    from engineprofiles.schema import make_profile
+    from engineprofiles.schema import with_points
 
     from emulator.functional import use_backend
 
@@ -173,8 +173,7 @@ def fit_profiles(pairs: list[tuple[str, Any, dict[str, Any]]], start: "Profile",
     backend = "reference-inductor" if start.engine.execution_mode == "inductor" else "reference"
 
     def run(points, label):
-        prof = make_profile(engine=start.engine, dtype=start.dtype, points=points,
-                            provenance=start.provenance.model_copy(update={"method": "synthetic"}))
+        prof = with_points(start, points)  # attention and the MoE experts kept (an MoE model needs them)
         handles = [apply_profile(m, prof) for _, m, _ in pairs]
         try:
             with use_backend(backend):

@@ -31,7 +31,7 @@ import torch
 
 from engineprofiles.errors import EngineProfilesError
 from engineprofiles.regions import ATTENTION_SPEC, REGIONS, Point
-from engineprofiles.schema import Profile, make_profile
+from engineprofiles.schema import Profile, with_points
 
 from .fit import attention_implementation
 
@@ -276,11 +276,7 @@ def neighbours(spec, point: Point) -> list[Point]:
 
 def with_point(prof: Profile, region: str, point: Point) -> Profile:
     """``prof`` with one region's (or attention's) point replaced; the rest, attention included, kept."""
-    points = {n: (point if n == region else prof.point(n)) if prof.available(n) else None for n in REGIONS}
-    att = point if region == "attention" else (prof.point("attention") if prof.available("attention") else None)
-    return make_profile(engine=prof.engine, dtype=prof.dtype, points=points, attention=att,
-                        attention_evidence=prof.attention.evidence,
-                        provenance=prof.provenance.model_copy(update={"method": "synthetic"}))
+    return with_points(prof, {region: point})
 
 
 def candidates(trainer: str, prof: Profile, trainer_prof: Profile) -> list[tuple[str, Profile, bool]]:

@@ -26,8 +26,7 @@ from engineprofiles.extras import require
 from engineprofiles.names import MOE_FAMILY_NAMES, check_rope_scaling_name, is_safe_name
 from engineprofiles.metrics import Mismatch, mismatch
 from engineprofiles.models import FAMILIES
-from engineprofiles.regions import BESIDE, REGIONS
-from engineprofiles.schema import Profile, make_profile
+from engineprofiles.schema import Profile, with_points
 from engineprofiles.store import get_profile, shipped_names
 
 # The residual RMSNorm region covers both call forms.
@@ -99,14 +98,8 @@ def default_profile_name(engine: str, version: str, mode: str = "default") -> st
 def combine(base: Profile, other: Profile, regions: tuple[str, ...]) -> Profile:
     """``base`` with the points of ``regions`` taken from ``other``; ``regions`` may name the entries
     recorded beside the regions (attention, moe) too, which otherwise come from ``base`` as well."""
-    points = {n: (other.point(n) if n in regions else base.point(n)) for n in REGIONS}
-    beside = {}
-    for name in BESIDE:
-        src = other if name in regions else base
-        beside[name] = src.point(name) if src.available(name) else None
-        beside[f"{name}_evidence"] = src.entry(name).evidence
-    return make_profile(engine=base.engine, dtype=base.dtype, points=points,
-                        provenance=base.provenance.model_copy(update={"method": "synthetic"}), **beside)
+    return with_points(base, {n: other.point(n) if other.available(n) else None for n in regions},
+                       evidence={n: other.entry(n).evidence for n in regions})
 
 
 def _shifted_logsumexp(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -388,6 +388,28 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
     return profile_from_yaml(text, str(p))
 
 
+def with_points(profile: Profile, points: dict[str, Point | None], *, evidence: dict[str, Evidence] | None = None,
+                method: str = "synthetic") -> Profile:
+    """``profile`` with the points of the entries named in ``points`` (regions, ``attention``, ``moe``;
+    None: unavailable) replaced, with ``evidence`` where given, every other entry kept with its evidence:
+    what a fit, an ablation or a neighbour tries. The provenance says ``method`` (default: synthetic)."""
+    evidence = evidence or {}
+    chosen: dict[str, Any] = {}
+    for name, _, entry in profile.entries():
+        if name in points:
+            default = {} if points[name] is not None else {"reason": "not in this combination"}
+            chosen[name] = (points[name], evidence.get(name, default))
+        else:
+            chosen[name] = (profile.point(name) if profile.available(name) else None, entry.evidence)
+    return make_profile(
+        engine=profile.engine, dtype=profile.dtype, points={n: chosen[n][0] for n in REGIONS},
+        evidence={n: chosen[n][1] for n in REGIONS},
+        attention=chosen["attention"][0], attention_evidence=chosen["attention"][1],
+        moe=chosen["moe"][0], moe_evidence=chosen["moe"][1],
+        provenance=profile.provenance.model_copy(update={"method": method}),
+    )
+
+
 def make_profile(
     *,
     engine: EngineInfo | dict[str, Any],

@@ -216,3 +216,26 @@ def test_combine_takes_the_entries_beside_the_regions_from_the_base_unless_named
     moe_only = combine(trainer, target, ("moe",))
     assert moe_only.point("moe") == target.point("moe") and moe_only.point("rope") == trainer.point("rope")
     assert moe_only.moe.evidence == target.moe.evidence
+
+
+def test_an_moe_model_is_fitted_with_the_start_profiles_moe_entry():
+    """The fit's candidate profiles keep the start's attention and MoE entries (with_points): a Qwen3-MoE
+    model, which apply_profile refuses without a measured moe entry, is fitted like the others."""
+    target = get_profile(ENGINE)
+    model = tiny_model("qwen3_moe", seed=1)  # two layers: layer 1's q and k see layer 0's experts
+    cap = capture_from_trainer(model, target, prompts=1)
+    start = combine(target, get_profile(TRAINER), ("rope",))  # RoPE planted wrong
+    assert start.point("moe") == target.point("moe")  # combine keeps the base's moe entry
+    fit = fit_profile(model, cap, start, regions=("rope",), passes=1)
+    assert fit.points["rope"] == target.point("rope") and fit.best.total.rate == 1.0
+
+
+def test_with_points_replaces_what_it_names_and_keeps_the_rest_with_its_evidence():
+    from engineprofiles.schema import with_points
+
+    prof = get_profile(ENGINE)
+    other = get_profile(TRAINER)
+    p = with_points(prof, {"rope": other.point("rope"), "moe": None})
+    assert p.point("rope") == other.point("rope") and not p.available("moe")
+    assert p.point("swiglu") == prof.point("swiglu") and p.entry("swiglu").evidence == prof.entry("swiglu").evidence
+    assert p.point("attention") == prof.point("attention") and p.provenance.method == "synthetic"
