@@ -14,7 +14,7 @@ from .errors import ArgumentError, PointError, UnsupportedDtype
 
 REGION_NAMES = ("rope", "swiglu", "add_rmsnorm", "rmsnorm")
 # Probed like the regions and recorded beside them (engineprofiles.regions.BESIDE).
-BESIDE_NAMES = ("attention", "moe")
+BESIDE_NAMES = ("attention", "moe", "shared_expert")
 ACT_DTYPE_NAMES = ("bfloat16", "float16")
 FAMILY_NAMES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe")
 # The families whose MLPs are sparse MoE blocks (their experts are the profile's moe entry).

@@ -20,16 +20,18 @@ from . import safeyaml
 from .errors import ProfileError
 from .files import write_atomic
 from .names import SAFE_NAME
-from .regions import ATTENTION_SPEC, BESIDE, MOE_SPEC, REGIONS, Point, RegionSpec
+from .regions import ATTENTION_SPEC, BESIDE, MOE_SPEC, REGIONS, SHARED_EXPERT_SPEC, Point, RegionSpec
 
 # 2: the ``attention`` entry (what exact mode consumes). 3: the evidence's ``scope``. 4: the ``moe``
-# entry (a sparse MoE block's experts). Older files load migrated (:func:`migrate`); this package
-# writes the current version only.
-SCHEMA_VERSION = 4
-SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3, 4)
+# entry (a sparse MoE block's experts). 5: the ``shared_expert`` entry (a sparse MoE block's shared
+# expert). Older files load migrated (:func:`migrate`); this package writes the current version only.
+SCHEMA_VERSION = 5
+SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
 V1_ATTENTION_REASON = "not probed: the profile was written with schema version 1, before attention was measured; re-probe"
 V3_MOE_REASON = ("not probed: the profile was written with schema version 3, before the MoE experts were probed; "
                  "re-probe")
+V4_SHARED_REASON = ("not probed: the profile was written with schema version 4, before the MoE shared expert was "
+                    "probed; re-probe")
 
 Precision = Literal["fp32", "rounded"]
 SettingValue = Optional[str | int | float | bool | list[str]]
@@ -137,6 +139,7 @@ Regions = create_model(
 )
 AttentionEntry = _entry_model(ATTENTION_SPEC)
 MoeEntry = _entry_model(MOE_SPEC)
+SharedExpertEntry = _entry_model(SHARED_EXPERT_SPEC)
 
 
 class Provenance(StrictModel):
@@ -163,24 +166,27 @@ class Profile(StrictModel):
     # expert MLP with its GEMMs and the weighted sum over the top-k experts. Unavailable, with the
     # reason, where the engine has no such path on the device or it was not probed.
     moe: MoeEntry  # type: ignore[valid-type]
+    # The shared expert of a sparse MoE block (Qwen2-MoE) and its sum with the routed experts'
+    # output, as the engine runs them; unavailable, with the reason, where not probed.
+    shared_expert: SharedExpertEntry  # type: ignore[valid-type]
     provenance: Provenance
 
     # -- access ---------------------------------------------------------------------------
     def entry(self, region: str) -> Any:
-        """The entry of a region, or of ``attention`` / ``moe`` (recorded beside the regions)."""
+        """The entry of a region, or of ``attention`` / ``moe`` / ``shared_expert`` (beside the regions)."""
         if region in BESIDE:
             return getattr(self, region)
         return getattr(self.regions, region)
 
     def entries(self) -> list[tuple[str, RegionSpec, Any]]:
-        """(name, spec, entry) of every region, then attention and moe: what diff and show walk through."""
+        """(name, spec, entry) of every region, then those beside them: what diff and show walk through."""
         return [(n, s, self.entry(n)) for n, s in (*REGIONS.items(), *BESIDE.items())]
 
     def available(self, region: str) -> bool:
         return self.entry(region).evidence.status == "measured"
 
     def point(self, region: str) -> Point:
-        """The lattice point this profile assigns to ``region`` (or to ``attention`` / ``moe``)."""
+        """The lattice point this profile assigns to ``region`` (or to an entry beside the regions)."""
         if region in BESIDE:
             e = self.entry(region)
             if e.sites is None:
@@ -283,6 +289,9 @@ def _format_error(err: dict[str, Any]) -> tuple[str, str]:
         if loc == ("moe",):
             return field, ("missing moe entry: a version 4 profile records the MoE experts, measured or with "
                            "evidence.status: unavailable and a reason")
+        if loc == ("shared_expert",):
+            return field, ("missing shared_expert entry: a version 5 profile records the MoE shared expert, measured "
+                           "or with evidence.status: unavailable and a reason")
         if len(loc) == 3 and loc[0] in BESIDE and loc[1] == "sites":
             return field, f"missing site {loc[2]!r} of {loc[0]}"
         return field, "required field is missing"
@@ -326,7 +335,7 @@ def migrate(data: dict[str, Any], source: str = "<profile>") -> dict[str, Any]:
     """An older profile as the current version. 1 -> 2: the same regions, attention recorded as not
     measured. 2 -> 3: the regions' evidence of an in-situ profile gets ``scope: whole-model`` (what
     its figures always were: the whole model's, written into every region), any other ``region``.
-    3 -> 4: the MoE experts recorded as not probed."""
+    3 -> 4: the MoE experts recorded as not probed. 4 -> 5: the MoE shared expert recorded as not probed."""
     version = data.get("schema_version")
     if version == 1:
         if "attention" in data:
@@ -358,6 +367,13 @@ def migrate(data: dict[str, Any], source: str = "<profile>") -> dict[str, Any]:
                                "or remove the entry", source=source, field="moe")
         data = {**data, "schema_version": 4,
                 "moe": {"sites": None, "evidence": {"status": "unavailable", "reason": V3_MOE_REASON}}}
+        version = 4
+    if version == 4:
+        if "shared_expert" in data:
+            raise ProfileError("schema version 4 has no shared_expert entry (it came with version 5); set "
+                               "schema_version: 5 or remove the entry", source=source, field="shared_expert")
+        data = {**data, "schema_version": 5,
+                "shared_expert": {"sites": None, "evidence": {"status": "unavailable", "reason": V4_SHARED_REASON}}}
     return data
 
 
@@ -390,7 +406,7 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
 
 def with_points(profile: Profile, points: dict[str, Point | None], *, evidence: dict[str, Evidence] | None = None,
                 method: str = "synthetic") -> Profile:
-    """``profile`` with the points of the entries named in ``points`` (regions, ``attention``, ``moe``;
+    """``profile`` with the points of the entries named in ``points`` (regions, and those beside them;
     None: unavailable) replaced, with ``evidence`` where given, every other entry kept with its evidence:
     what a fit, an ablation or a neighbour tries. The provenance says ``method`` (default: synthetic)."""
     evidence = evidence or {}
@@ -404,8 +420,7 @@ def with_points(profile: Profile, points: dict[str, Point | None], *, evidence: 
     return make_profile(
         engine=profile.engine, dtype=profile.dtype, points={n: chosen[n][0] for n in REGIONS},
         evidence={n: chosen[n][1] for n in REGIONS},
-        attention=chosen["attention"][0], attention_evidence=chosen["attention"][1],
-        moe=chosen["moe"][0], moe_evidence=chosen["moe"][1],
+        beside={n: chosen[n] for n in BESIDE},
         provenance=profile.provenance.model_copy(update={"method": method}),
     )
 
@@ -421,10 +436,17 @@ def make_profile(
     attention_evidence: Evidence | dict[str, Any] | None = None,
     moe: Point | None = None,
     moe_evidence: Evidence | dict[str, Any] | None = None,
+    beside: dict[str, tuple[Point | None, Evidence | dict[str, Any] | None]] | None = None,
 ) -> Profile:
     """Build a profile from lattice points (``None`` for an unavailable region) and evidence.
     ``attention`` and ``moe``: their points, or None (then ``attention_evidence`` / ``moe_evidence``
-    say why, default: not probed)."""
+    say why, default: not probed). ``beside``: (point, evidence) of any entry beside the regions
+    (``attention``, ``moe``, ``shared_expert``), over the keyword arguments; an entry given nowhere
+    is recorded as not probed."""
+    given = {"attention": (attention, attention_evidence), "moe": (moe, moe_evidence), **(beside or {})}
+    unknown = set(given) - set(BESIDE)
+    if unknown:
+        raise ProfileError(f"no entry {sorted(unknown)[0]!r} beside the regions; they are: {', '.join(BESIDE)}")
     evidence = evidence or {}
     regions: dict[str, Any] = {}
     for name, spec in REGIONS.items():
@@ -438,22 +460,22 @@ def make_profile(
             regions[name] = {"sites": None, "evidence": ev}
         else:
             regions[name] = {"sites": spec.site_part(p), "variants": spec.variant_part(p), "evidence": ev}
-    beside: dict[str, Any] = {}
-    for name, point, ev_in in (("attention", attention, attention_evidence), ("moe", moe, moe_evidence)):
-        spec = BESIDE[name]
+    entries: dict[str, Any] = {}
+    for name, spec in BESIDE.items():
+        point, ev_in = given.get(name, (None, None))
         bev = ev_in.model_dump() if isinstance(ev_in, Evidence) else dict(ev_in or {})
         if point is None:
             bev.setdefault("status", "unavailable")
             bev.setdefault("reason", "not probed")
-            beside[name] = {"sites": None, "evidence": bev}
+            entries[name] = {"sites": None, "evidence": bev}
         else:
-            beside[name] = {"sites": spec.site_part(point), "variants": spec.variant_part(point), "evidence": bev}
+            entries[name] = {"sites": spec.site_part(point), "variants": spec.variant_part(point), "evidence": bev}
     data = {
         "schema_version": SCHEMA_VERSION,
         "engine": engine.model_dump() if isinstance(engine, EngineInfo) else engine,
         "dtype": dtype,
         "regions": regions,
-        **beside,
+        **entries,
         "provenance": provenance.model_dump() if isinstance(provenance, Provenance) else provenance,
     }
     return profile_from_data(data, "<make_profile>")

@@ -107,7 +107,7 @@ def assert_as_the_tool_wrote_it(path, profile) -> None:
     """``path`` holds what the tool writes for ``profile``: its own bytes when it is of the current
     schema version. A file written under an older version (shipped profiles keep the version of the
     probe run that wrote them) loads through the migration: the dump then differs from the file only
-    in what the migration adds (the version number, evidence scope, the moe entry), and round-trips to itself."""
+    in what the migration adds (the version number, evidence scope, the moe and shared_expert entries), and round-trips to itself."""
     import yaml
 
     from engineprofiles.schema import SCHEMA_VERSION, profile_from_yaml
@@ -119,10 +119,13 @@ def assert_as_the_tool_wrote_it(path, profile) -> None:
         return
     assert profile_from_yaml(dumped).to_yaml() == dumped
     lines = dumped.splitlines()
-    if "moe:" not in text.splitlines():  # written before version 4: the migration adds the moe entry
-        start, end = lines.index("moe:"), lines.index("provenance:")
-        assert "reason: 'not probed: the profile was written with schema version 3" in "\n".join(lines[start:end])
-        lines = lines[:start] + lines[end:]
+    # Entries the migration adds, each "not probed" with the version the file was written under.
+    for entry, after, before in (("moe:", "shared_expert:", 3), ("shared_expert:", "provenance:", 4)):
+        if entry not in text.splitlines():
+            start, end = lines.index(entry), lines.index(after)
+            assert f"reason: 'not probed: the profile was written with schema version {before}" in "\n".join(
+                lines[start:end])
+            lines = lines[:start] + lines[end:]
     added = [ln for ln in lines if ln not in text.splitlines()]
     assert added and all(ln.startswith("schema_version:") or ln.strip() == "scope: whole-model" for ln in added), (
         path, added)

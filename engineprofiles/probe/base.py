@@ -13,7 +13,7 @@ A region the engine cannot run on this device is an :class:`Unavailable` with th
 ``attention()`` gives the engine's attention the same way (what exact mode consumes), as
 ``attention(q[Tq, Hq, D], k[Tk, Hk, D], v[Tk, Hk, D], *, scale) -> out[Tq, Hq, D]``: causal, the
 queries being the last Tq of the Tk positions of one sequence. ``moe()`` gives the experts of a
-sparse MoE block (see :meth:`Adapter.moe`).
+sparse MoE block (see :meth:`Adapter.moe`), ``shared_expert()`` its shared expert.
 """
 
 from __future__ import annotations
@@ -68,8 +68,17 @@ class Adapter:
     def moe(self) -> RegionImpl | Unavailable:
         """The engine's sparse MoE block as it runs it by default on this device, from the router's
         logits on (its router, then its experts): ``moe(x[T, H], w13[E, 2I, H], w2[E, H, I],
-        router_logits[T, E] (activation dtype), topk: int) -> out[T, H]``, top-k weights renormalized."""
+        router_logits[T, E] (activation dtype), topk: int, *, renormalize: bool) -> out[T, H]``, the top-k
+        weights renormalized or not (Qwen3-MoE's and Qwen2-MoE's ``norm_topk_prob``)."""
         return Unavailable(f"{self.name} has no MoE experts probe")
+
+    def shared_expert(self) -> RegionImpl | Unavailable:
+        """The engine's MoE shared expert (Qwen2-MoE) as it runs it by default on this device, and
+        its sum with the routed output, seen in the residual stream after the next residual add:
+        ``shared_expert(x[T, H], w_gate_up[2I, H], w_down[H, I], w_gate[1, H], routed[T, H],
+        residual[T, H]) -> residual'[T, H]``, all in the activation dtype (``routed``: the routed
+        experts' output)."""
+        return Unavailable(f"{self.name} has no MoE shared expert probe")
 
     def attention_cases(self) -> tuple[tuple, ...]:
         """Attention probe cases on top of :data:`attention.ATTENTION_CASES` (same tuple layout), where

@@ -21,7 +21,8 @@ from typing import Any, Callable
 import torch
 
 from .. import PROBE_VERSION, __version__
-from ..regions import BESIDE, REGIONS, Point, RegionSpec, add_rmsnorm_ref, moe_block_ref, rmsnorm_ref, rope_cos_sin, rope_ref, swiglu_ref
+from ..regions import (BESIDE, REGIONS, Point, RegionSpec, add_rmsnorm_ref, moe_block_ref, rmsnorm_ref, rope_cos_sin,
+                       rope_ref, shared_expert_ref, swiglu_ref)
 from ..regions.moe import GemmMemo
 from ..rounding import act_dtype, dtype_name, ulp_distance
 from ..schema import Evidence, Profile, make_profile
@@ -45,7 +46,7 @@ def cached_reference_outputs(region: str, p: Point, inp: dict[str, Any], key: tu
 
 
 def spec_of(region: str) -> RegionSpec:
-    """The spec of a region or of an entry probed the same way beside them (``moe``)."""
+    """The spec of a region or of an entry probed the same way beside them (``moe``, ``shared_expert``)."""
     return REGIONS[region] if region in REGIONS else BESIDE[region]
 
 
@@ -54,7 +55,11 @@ def reference_outputs(region: str, p: Point, inp: dict[str, Any]) -> tuple[torch
     if region == "moe":
         # one GEMM memo per probe case: every lattice point is evaluated on the case's same tensors
         memo = inp.setdefault("gemm_memo", GemmMemo())
-        return (moe_block_ref(inp["x"], inp["w13"], inp["w2"], inp["router_logits"], inp["topk"], p, memo=memo),)
+        return (moe_block_ref(inp["x"], inp["w13"], inp["w2"], inp["router_logits"], inp["topk"], p,
+                              renormalize=inp["renormalize"], memo=memo),)
+    if region == "shared_expert":
+        return (shared_expert_ref(inp["x"], inp["w_gate_up"], inp["w_down"], inp["w_gate"], inp["routed"],
+                                  inp["residual"], p),)
     if region == "rope":
         cos, sin = rope_cos_sin(inp["positions"], inp["q"].shape[-1], inp["base"])
         return (
@@ -73,7 +78,11 @@ def call_engine(region: str, impl: RegionImpl, inp: dict[str, Any], device: str)
     if region == "rope":
         out = impl.fn(dev["positions"], dev["q"].clone(), dev["k"].clone(), base=dev["base"], style=dev["style"])
     elif region == "moe":
-        out = impl.fn(dev["x"].clone(), dev["w13"], dev["w2"], dev["router_logits"].clone(), dev["topk"])
+        out = impl.fn(dev["x"].clone(), dev["w13"], dev["w2"], dev["router_logits"].clone(), dev["topk"],
+                      renormalize=dev["renormalize"])
+    elif region == "shared_expert":
+        out = impl.fn(dev["x"].clone(), dev["w_gate_up"], dev["w_down"], dev["w_gate"], dev["routed"].clone(),
+                      dev["residual"].clone())
     elif region == "swiglu":
         out = impl.fn(dev["gate"], dev["up"])
     elif region == "rmsnorm":
@@ -250,11 +259,14 @@ def run_probe(
     results: dict[str, RegionResult] = {}
     points: dict[str, Point | None] = {}
     evidence: dict[str, Evidence] = {}
-    for name in (*REGIONS, "moe"):  # the MoE experts are probed the same way, recorded beside the regions
+    # The MoE experts and shared expert are probed the same way, recorded beside the regions.
+    for name in (*REGIONS, "moe", "shared_expert"):
         if regions is not None and name not in regions:
             impl = Unavailable("not probed in this run (--region)")
+        elif name in BESIDE:
+            impl = getattr(adapter, name)()
         else:
-            impl = adapter.moe() if name == "moe" else impls.get(name)
+            impl = impls.get(name)
         if impl is None:
             impl = Unavailable(f"{info.name} has no implementation of {name}")
         if isinstance(impl, Unavailable):
@@ -268,7 +280,7 @@ def run_probe(
         d = decide(results[name])
         points[name], evidence[name] = d.winner, d.evidence
     att_point, att_ev = _attention(adapter, regions, dt, seed, quick, progress)
-    moe_point, moe_evidence = points.pop("moe"), evidence.pop("moe")
+    beside = {n: (points.pop(n), evidence.pop(n)) for n in ("moe", "shared_expert")}
     profile = make_profile(
         engine=dict(
             name=info.name, version=info.version, backend=info.backend, device=info.device,
@@ -279,8 +291,7 @@ def run_probe(
         evidence=evidence,
         attention=att_point,
         attention_evidence=att_ev,
-        moe=moe_point,
-        moe_evidence=moe_evidence,
+        beside=beside,
         provenance=dict(
             date=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
             probe_version=PROBE_VERSION,

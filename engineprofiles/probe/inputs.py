@@ -69,6 +69,19 @@ SWEEP["moe"] = [
     # Many tokens of a narrow model, four experts each: the order and the contraction of the FP32
     # weighted sum change its last bits, which few outputs show once rounded; many cheap ones do.
     dict(tokens=2048, hidden=32, inter=32, experts=8, topk=4),
+    # Top-k weights not renormalized (Qwen2-MoE's norm_topk_prob=False): the router's other formula.
+    dict(tokens=64, hidden=128, inter=64, experts=4, topk=2, one_hot=True, renormalize=False),
+    dict(tokens=512, hidden=64, inter=32, experts=8, topk=4, renormalize=False),
+]
+
+# The MoE shared expert (Qwen2-MoE): its SwiGLU, its sigmoid gate and their sum with the routed
+# output, seen in the residual stream after the block. Sizes: multiples of 32, as the engines' CPU
+# GEMMs take them.
+SWEEP["shared_expert"] = [
+    dict(tokens=1, hidden=256, inter=128),
+    dict(tokens=33, hidden=512, inter=256),
+    dict(tokens=256, hidden=128, inter=64),
+    dict(tokens=1024, hidden=64, inter=32),
 ]
 
 ROPE_BASE = 1000000.0
@@ -118,6 +131,8 @@ def make_inputs(case: Case, dtype: torch.dtype, seed: int) -> dict[str, Any]:
         return dict(positions=pos, q=_act(q, dtype), k=_act(k, dtype), base=base, style=s["style"])
     if case.region == "moe":
         return _moe_inputs(s, dtype, g)
+    if case.region == "shared_expert":
+        return _shared_inputs(s, dtype, g)
     if case.region == "swiglu":
         shape = (s["tokens"], s["inter"])
         gate = _with_outliers(torch.randn(shape, generator=g) * 3, g, 0.01, 6)
@@ -186,4 +201,19 @@ def _moe_inputs(s: dict[str, Any], dtype: torch.dtype, g: torch.Generator) -> di
     levels = (torch.arange(e, dtype=torch.float32) - (e - 1) / 2) * 0.25
     order = torch.argsort(torch.rand(t, e, generator=g), dim=-1)
     logits = levels[order] + (torch.rand(t, e, generator=g) - 0.5) * 0.16
-    return dict(x=_act(x, dtype), w13=_act(w13, dtype), w2=_act(w2, dtype), router_logits=_act(logits, dtype), topk=k)
+    return dict(x=_act(x, dtype), w13=_act(w13, dtype), w2=_act(w2, dtype), router_logits=_act(logits, dtype), topk=k,
+                renormalize=s.get("renormalize", True))
+
+
+def _shared_inputs(s: dict[str, Any], dtype: torch.dtype, g: torch.Generator) -> dict[str, Any]:
+    t, h, i = s["tokens"], s["hidden"], s["inter"]
+    x = _with_outliers(torch.randn(t, h, generator=g), g, 0.01, 10)
+    w_gate_up = torch.randn(2 * i, h, generator=g) * (1.5 / h ** 0.5)
+    w_down = torch.randn(h, i, generator=g) * (1.0 / i ** 0.5)
+    w_gate = torch.randn(1, h, generator=g) * (1.0 / h ** 0.5)
+    # The routed output and the residual at the shared term's scale, so that rounding the gate,
+    # the product or the sum shows in the stream after the add.
+    routed = torch.randn(t, h, generator=g) * 0.3
+    residual = torch.randn(t, h, generator=g) * 0.5
+    return dict(x=_act(x, dtype), w_gate_up=_act(w_gate_up, dtype), w_down=_act(w_down, dtype),
+                w_gate=_act(w_gate, dtype), routed=_act(routed, dtype), residual=_act(residual, dtype))

@@ -92,7 +92,18 @@ class SyntheticAdapter(Adapter):
         if "moe" not in self.points:
             return super().moe()
 
-        def moe(x, w13, w2, router_logits, topk):
-            return self._run("moe", dict(x=x, w13=w13, w2=w2, router_logits=router_logits, topk=topk))[0]
+        def moe(x, w13, w2, router_logits, topk, *, renormalize=True):
+            return self._run("moe", dict(x=x, w13=w13, w2=w2, router_logits=router_logits, topk=topk,
+                                         renormalize=renormalize))[0]
 
         return RegionImpl(moe, f"synthetic {self.points['moe'].label()}")
+
+    def shared_expert(self) -> RegionImpl | Unavailable:
+        if "shared_expert" not in self.points:
+            return super().shared_expert()
+
+        def shared_expert(x, w_gate_up, w_down, w_gate, routed, residual):
+            return self._run("shared_expert", dict(x=x, w_gate_up=w_gate_up, w_down=w_down, w_gate=w_gate,
+                                                   routed=routed, residual=residual))[0]
+
+        return RegionImpl(shared_expert, f"synthetic {self.points['shared_expert'].label()}")

@@ -7,6 +7,8 @@ from .base import FP32, PRECISIONS, ROUNDED, Choice, Point, RegionSpec
 from .moe import SPEC as MOE_SPEC
 from .moe import moe_block_ref, moe_ref, route, sequential_linear
 from .rmsnorm import ADD_SPEC, PLAIN_SPEC, add_rmsnorm_ref, rmsnorm_ref
+from .shared_expert import SPEC as SHARED_EXPERT_SPEC
+from .shared_expert import shared_block_ref, shared_expert_ref
 from .rope import SPEC as ROPE_SPEC
 from .rope import ROPE_TYPES, STYLES, RopeFrequencies, RopeParametersError, rope_cos_sin, rope_ref
 from .swiglu import SPEC as SWIGLU_SPEC
@@ -21,8 +23,9 @@ REGIONS: dict[str, RegionSpec] = {
 
 
 # Recorded beside the regions, each with its own entry in a profile: attention (what exact mode
-# consumes) and the MoE experts (a sparse MoE block's SwiGLU expert MLPs, GEMMs and combine included).
-BESIDE: dict[str, RegionSpec] = {s.name: s for s in (ATTENTION_SPEC, MOE_SPEC)}
+# consumes), the MoE experts (a sparse MoE block's SwiGLU expert MLPs, GEMMs and combine included)
+# and the MoE shared expert (Qwen2-MoE's gated dense expert, and its sum with the routed output).
+BESIDE: dict[str, RegionSpec] = {s.name: s for s in (ATTENTION_SPEC, MOE_SPEC, SHARED_EXPERT_SPEC)}
 
 
 def region(name: str) -> RegionSpec:
@@ -32,6 +35,6 @@ def region(name: str) -> RegionSpec:
 __all__ = [
     "FP32", "ROUNDED", "PRECISIONS", "Choice", "Point", "RegionSpec", "REGIONS", "region", "STYLES",
     "ROPE_SPEC", "SWIGLU_SPEC", "ADD_SPEC", "PLAIN_SPEC",
-    "ATTENTION_SPEC", "MOE_SPEC", "BESIDE", "moe_ref", "moe_block_ref", "route", "sequential_linear", "attention_ref", "attention_fp32", "causal_mask",
+    "ATTENTION_SPEC", "MOE_SPEC", "SHARED_EXPERT_SPEC", "shared_block_ref", "shared_expert_ref", "BESIDE", "moe_ref", "moe_block_ref", "route", "sequential_linear", "attention_ref", "attention_fp32", "causal_mask",
     "rope_ref", "rope_cos_sin", "RopeFrequencies", "RopeParametersError", "ROPE_TYPES", "swiglu_ref", "rmsnorm_ref", "add_rmsnorm_ref",
 ]

@@ -8,12 +8,15 @@ top-k experts and their FP32 weights (variant ``router``):
 
     softmax_all:  p = softmax(fp32(logits)) over every expert; w = the top k of p, / their sum
     softmax_topk: w = softmax(fp32(the top k logits))          (mathematically the same weights)
+    softmax_topk_act: softmax_topk computed by torch's ops on the logits in the activation dtype
+                  (each op's result rounded: vLLM's CPU router run eagerly on BF16 logits)
 
-(both for a model that renormalizes the top-k weights, as Qwen3-MoE does; without it, p's top k,
-and exp(top-k logit - logsumexp(logits)).) ``softmax_all`` lists a token's experts in descending
-order (torch.topk sorted, as HF and SGLang call it), ``softmax_topk`` in the order torch.topk(logits,
-sorted=False) gives them (as vLLM calls it): the order the weighted outputs are added in
-(``combine_order=topk``). Then, per token, for each of its experts e with weight w:
+(all for a model that renormalizes the top-k weights, as Qwen3-MoE does; without it, as Qwen2-MoE:
+p's top k, exp(top-k logit - logsumexp(logits)) in FP32, and the same with logsumexp, the
+difference and exp each rounded to the activation dtype.) ``softmax_all`` lists a token's experts in
+descending order (torch.topk sorted, as HF and SGLang call it), ``softmax_topk*`` in the order
+torch.topk(logits, sorted=False) gives them (as vLLM calls it): the order the weighted outputs are
+added in (``combine_order=topk``). Then, per token, for each of its experts e with weight w:
 
     gu = x @ w13[e]^T                      # variant gemm_order; site gate_up: rounded or FP32 accumulators
     g, u = gu[:I], gu[I:]
@@ -46,6 +49,8 @@ from .swiglu import silu_fp32
 
 
 def _canonical(d: dict[str, str]) -> dict[str, str]:
+    if d["router"] == "softmax_topk_act":  # its weights are already in the activation dtype
+        d["routing_weight"] = ROUNDED
     if d["weighted"] == ROUNDED:  # the product is rounded before the add: no FMA to contract
         d["combine_fma"] = "none"
     return d
@@ -64,9 +69,10 @@ SPEC = RegionSpec(
         site("combine", "each partial sum over a token's experts rounded (a BF16 index_add)"),
     ),
     variants=(
-        variant("router", ("softmax_all", "softmax_topk"),
-                "the top-k weights: softmax over every expert's logit in FP32 then the top k renormalized (HF), "
-                "or softmax over the top-k logits in FP32 (vLLM's CPU router)"),
+        variant("router", ("softmax_all", "softmax_topk", "softmax_topk_act"),
+                "the top-k weights: softmax over every expert's logit in FP32 then the top k (renormalized or not: "
+                "HF, SGLang), softmax over the top-k logits in FP32 (vLLM's CPU router compiled), or the same by "
+                "torch's ops in the activation dtype (vLLM's CPU router eager)"),
         variant("silu_formula", ("fused", "x_sigmoid", "x_div_1p_exp"),
                 "how silu is computed: torch's fused silu, gate*sigmoid(gate), or gate/(1+exp(-gate))"),
         variant("gemm_order", ("sequential", "library"),
@@ -227,6 +233,10 @@ def route(logits: torch.Tensor, k: int, point: Point, *, renormalize: bool = Tru
             w = w / w.sum(dim=-1, keepdim=True)
         return w, ids
     v, ids = torch.topk(logits, k, dim=-1, sorted=False)
+    if point["router"] == "softmax_topk_act":  # each op in the logits' dtype, as torch runs it
+        if renormalize:
+            return torch.softmax(v, dim=-1).float(), ids
+        return (v - torch.logsumexp(logits, dim=-1, keepdim=True)).exp().float(), ids
     if renormalize:
         return torch.softmax(v.float(), dim=-1), ids
     return torch.exp(v.float() - torch.logsumexp(lf, dim=-1, keepdim=True)), ids

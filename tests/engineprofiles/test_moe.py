@@ -85,7 +85,10 @@ def test_hf_qwen3_moe_experts_equal_the_reference_at_their_point(impl):
 def test_the_lattice_canonicalizes_the_fma_of_a_rounded_product():
     pts = MOE_SPEC.all_points()
     assert all(p["combine_fma"] == "none" for p in pts if p["weighted"] == R)
-    assert len(pts) == 2 ** 5 * 2 * 3 * 2 * 2 * 3  # 6 sites, router x silu_formula x gemm_order x combine_order x (fma, none | none)
+    assert all(p["routing_weight"] == R for p in pts if p["router"] == "softmax_topk_act")
+    # 5 sites besides routing_weight, (router x routing_weight: 2 x 2 + the act router's 1) x silu_formula x
+    # gemm_order x combine_order x (fma, none | none)
+    assert len(pts) == 2 ** 4 * 5 * 3 * 2 * 2 * 3
 
 
 @pytest.mark.parametrize("bad", ["w13_shape", "ids_range", "dtype", "topk_shape"])

@@ -432,14 +432,16 @@ def test_evidence_scope_says_what_the_rates_count_and_version_2_in_situ_files_mi
         data = yaml.safe_load(prof.to_yaml())
         data["schema_version"] = 2
         data.pop("moe")  # came with version 4
+        data.pop("shared_expert")  # came with version 5
         for n in REGIONS:
             data["regions"][n]["evidence"].pop("scope", None)
         back = profile_from_yaml(yaml.safe_dump(data), "v2.yaml")
-        assert back.schema_version == 4 and {back.entry(n).evidence.scope for n in REGIONS} == {want}
+        assert back.schema_version == 5 and {back.entry(n).evidence.scope for n in REGIONS} == {want}
         assert ("whole-model" in back.to_yaml()) == (want == "whole-model")
     data = yaml.safe_load(insitu.to_yaml())
     data["schema_version"] = 2
     data.pop("moe")
+    data.pop("shared_expert")
     with pytest.raises(ProfileError, match="scope") as e:
         profile_from_yaml(yaml.safe_dump(data), "v2-with-scope.yaml")
     assert "v2-with-scope.yaml" in str(e.value)
@@ -462,8 +464,9 @@ def test_version_3_files_migrate_with_the_moe_experts_not_probed_and_a_version_3
     data = yaml.safe_load(prof.to_yaml())
     data["schema_version"] = 3
     data.pop("moe")
+    data.pop("shared_expert")
     back = profile_from_yaml(yaml.safe_dump(data), "v3.yaml")
-    assert back.schema_version == 4 and not back.available("moe")
+    assert back.schema_version == 5 and not back.available("moe") and not back.available("shared_expert")
     assert "schema version 3" in back.moe.evidence.reason
     with pytest.raises(ProfileError, match="not measured"):
         back.point("moe")
@@ -476,3 +479,29 @@ def test_version_3_files_migrate_with_the_moe_experts_not_probed_and_a_version_3
     data.pop("moe")
     with pytest.raises(ProfileError, match="missing moe entry"):
         profile_from_yaml(yaml.safe_dump(data), "v4-without-moe.yaml")
+
+
+def test_version_4_files_migrate_with_the_shared_expert_not_probed_and_a_version_4_file_with_it_is_refused():
+    """Schema 5 adds the ``shared_expert`` entry (a sparse MoE block's shared expert). A version 4
+    file loads with it recorded as not probed, its moe entry kept; one that has the entry is refused
+    (it came with 5); a version 5 file without it is refused naming the entry."""
+    from engineprofiles.store import get_profile
+
+    prof = get_profile("vllm-0.32.0-cpu-inductor-bfloat16")
+    data = yaml.safe_load(prof.to_yaml())
+    shared = data.pop("shared_expert")
+    data["schema_version"] = 4
+    back = profile_from_yaml(yaml.safe_dump(data), "v4.yaml")
+    assert back.schema_version == 5 and not back.available("shared_expert")
+    assert "schema version 4" in back.shared_expert.evidence.reason
+    assert back.available("moe") == prof.available("moe") and back.moe == prof.moe
+    with pytest.raises(ProfileError, match="not measured"):
+        back.point("shared_expert")
+    data["shared_expert"] = shared
+    with pytest.raises(ProfileError, match="came with version 5") as e:
+        profile_from_yaml(yaml.safe_dump(data), "v4-with-shared.yaml")
+    assert "v4-with-shared.yaml" in str(e.value)
+    data["schema_version"] = 5
+    data.pop("shared_expert")
+    with pytest.raises(ProfileError, match="missing shared_expert entry"):
+        profile_from_yaml(yaml.safe_dump(data), "v5-without-shared.yaml")
