@@ -12,8 +12,9 @@ top-k experts and their FP32 weights (variant ``router``):
                   (each op's result rounded: vLLM's CPU router run eagerly on BF16 logits)
 
 (all for a model that renormalizes the top-k weights, as Qwen3-MoE does; without it, as Qwen2-MoE:
-p's top k, exp(top-k logit - logsumexp(logits)) in FP32, and the same with logsumexp, the
-difference and exp each rounded to the activation dtype.) ``softmax_all`` lists a token's experts in
+p's top k; exp(top-k logit - round(logsumexp(logits))) in FP32 (vLLM's compiled router: the
+logsumexp is a reduction its graph stores in the logits' dtype, measured); and the same with the
+difference and exp also rounded to the activation dtype.) ``softmax_all`` lists a token's experts in
 descending order (torch.topk sorted, as HF and SGLang call it), ``softmax_topk*`` in the order
 torch.topk(logits, sorted=False) gives them (as vLLM calls it): the order the weighted outputs are
 added in (``combine_order=topk``). Then, per token, for each of its experts e with weight w:
@@ -239,7 +240,9 @@ def route(logits: torch.Tensor, k: int, point: Point, *, renormalize: bool = Tru
         return (v - torch.logsumexp(logits, dim=-1, keepdim=True)).exp().float(), ids
     if renormalize:
         return torch.softmax(v.float(), dim=-1), ids
-    return torch.exp(v.float() - torch.logsumexp(lf, dim=-1, keepdim=True)), ids
+    # torch.logsumexp of the logits in their dtype (a reduction the compiled router stores rounded), then
+    # the difference and exp in FP32 (fused)
+    return torch.exp(v.float() - torch.logsumexp(logits, dim=-1, keepdim=True).float()), ids
 
 
 def moe_block_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor, k: int, point: Point,

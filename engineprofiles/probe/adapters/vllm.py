@@ -267,24 +267,24 @@ class VllmAdapter(Adapter):
             router_path = "cpu_moe.select_experts"
 
         class _Router(torch.nn.Module):
-            def __init__(self, k: int):
+            def __init__(self, k: int, renormalize: bool):
                 super().__init__()
-                self.k = k
+                self.k, self.renormalize = k, renormalize
 
             def forward(self, logits):
-                return softmax_topk(logits, self.k, True)
+                return softmax_topk(logits, self.k, self.renormalize)
 
-        routers: dict[int, Any] = {}
+        routers: dict[tuple[int, bool], Any] = {}
         compiled = self.mode == "compiled"
 
-        def route(logits, k):
-            if k not in routers:
-                r = _Router(k)
-                routers[k] = self._compiled(r, ("logits",)) if compiled else r
-            return routers[k](logits)
+        def route(logits, k, renormalize):
+            if (k, renormalize) not in routers:
+                r = _Router(k, renormalize)
+                routers[k, renormalize] = self._compiled(r, ("logits",)) if compiled else r
+            return routers[k, renormalize](logits)
 
-        def moe(x, w13, w2, router_logits, topk):
-            topk_weights, topk_ids = route(router_logits, topk)
+        def moe(x, w13, w2, router_logits, topk, *, renormalize=True):
+            topk_weights, topk_ids = route(router_logits, topk, renormalize)
             out = torch.empty_like(x)
             # The op itself (its Python wrapper's signature changed between versions; the op's did not).
             torch.ops._C.cpu_fused_moe(out, x.contiguous(), ops.cpu_prepack_moe_weight(w13.contiguous(), isa),
@@ -300,6 +300,90 @@ class VllmAdapter(Adapter):
             [f"called outside the engine with the expert class's own prepacking and kernel, {torch.get_num_threads()} "
              "threads; the experts run eagerly in both of vLLM's modes (an opaque op in the compiled graph); "
              "zentorch's MoE (used instead where zentorch is installed) is not probed"],
+        )
+
+    def _model_parallel(self) -> None:
+        """vLLM's linear layers need its (tensor-)parallel groups: one process, world size 1, gloo."""
+        import tempfile
+
+        from vllm.distributed import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            return
+        if not torch.distributed.is_initialized():
+            fd, path = tempfile.mkstemp(prefix="probe-dist-")
+            os.close(fd)
+            os.unlink(path)
+            ps.init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                            distributed_init_method=f"file://{path}", backend="gloo")
+        ps.ensure_model_parallel_initialized(1, 1)
+
+    def shared_expert(self) -> RegionImpl | Unavailable:
+        """Qwen2-MoE's shared expert as vLLM runs it: its own ``Qwen2MoeMLP`` with the
+        ``shared_expert_gate`` (``ReplicatedLinear``) as ``expert_gate``, built under the engine's
+        configuration (so ``SiluAndMul`` dispatches as the engine's does) and called eagerly, as the
+        MoE block's opaque op calls it in both modes; then the block's ``shared_output +
+        fused_output`` and the next decoder layer's input RMSNorm with the residual, compiled as the
+        engine compiles the model (where that add sits in the graph) or eager."""
+        from vllm.config import set_current_vllm_config
+
+        try:
+            from vllm.model_executor.layers.layernorm import RMSNorm
+            from vllm.model_executor.layers.linear import ReplicatedLinear
+            from vllm.model_executor.models.qwen2_moe import Qwen2MoeMLP
+        except ImportError as e:  # pragma: no cover - another vLLM layout
+            return Unavailable(f"vLLM's Qwen2-MoE shared expert is not importable here ({e})")
+        config, compiled = self.config, self.mode == "compiled"
+        experts: dict[tuple, Any] = {}
+        norms: dict[int, Any] = {}
+
+        class _Sum(torch.nn.Module):
+            def __init__(self, norm: torch.nn.Module):
+                super().__init__()
+                self.norm = norm
+
+            def forward(self, shared, routed, residual):
+                return self.norm(shared + routed, residual)[1]
+
+        def expert_for(h: int, i: int):
+            if (h, i) not in experts:
+                with set_current_vllm_config(config):
+                    self._activate()
+                    self._model_parallel()
+                    gate = ReplicatedLinear(h, 1, bias=False, quant_config=None, prefix="probe.shared_expert_gate")
+                    mlp = Qwen2MoeMLP(h, i, "silu", reduce_results=False, expert_gate=gate, prefix="probe.shared_expert")
+                experts[h, i] = mlp.to(self.dtype)
+            return experts[h, i]
+
+        def sum_for(h: int):
+            if h not in norms:
+                with set_current_vllm_config(config):
+                    layer = _Sum(RMSNorm(h, eps=1e-6, dtype=self.dtype))
+                norms[h] = self._compiled(layer, ("shared", "routed", "residual")) if compiled else layer
+            return norms[h]
+
+        def shared_expert(x, w_gate_up, w_down, w_gate, routed, residual):
+            h, i = x.shape[1], w_down.shape[1]
+            mlp = expert_for(h, i)
+            with torch.no_grad(), set_current_vllm_config(config):
+                for layer, w in ((mlp.gate_up_proj, w_gate_up), (mlp.down_proj, w_down), (mlp.expert_gate, w_gate)):
+                    layer.weight.data = w.contiguous().clone()
+                    layer.quant_method.process_weights_after_loading(layer)
+                shared = mlp(x)
+                return sum_for(h)(shared, routed, residual)
+
+        with set_current_vllm_config(config):
+            from vllm.model_executor.layers.activation import SiluAndMul
+
+            fm = getattr(SiluAndMul(), "_forward_method", None)
+        act = getattr(fm, "__qualname__", "SiluAndMul")
+        how = "compiled as the engine compiles the model: torch.compile, inductor, no guards" if compiled else "eager"
+        return RegionImpl(
+            shared_expert,
+            f"vllm Qwen2MoeMLP with its expert_gate ({act}, eager as in the MoE block's opaque op), then "
+            f"shared_output + fused_output into RMSNorm with the residual ({how})",
+            ["called outside the engine with vLLM's own layers (tensor parallel size 1, gloo), "
+             f"{torch.get_num_threads()} threads"],
         )
 
     # -- attention ----------------------------------------------------------------------------
