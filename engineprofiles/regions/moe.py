@@ -240,9 +240,10 @@ def route(logits: torch.Tensor, k: int, point: Point, *, renormalize: bool = Tru
         return (v - torch.logsumexp(logits, dim=-1, keepdim=True)).exp().float(), ids
     if renormalize:
         return torch.softmax(v.float(), dim=-1), ids
-    # torch.logsumexp of the logits in their dtype (a reduction the compiled router stores rounded), then
-    # the difference and exp in FP32 (fused)
-    return torch.exp(v.float() - torch.logsumexp(logits, dim=-1, keepdim=True).float()), ids
+    # logsumexp in FP32, rounded to the logits' dtype (a reduction whose result the compiled router
+    # stores in that dtype), then the difference and exp in FP32 (fused)
+    lse = round_to(torch.logsumexp(lf, dim=-1, keepdim=True), logits.dtype)
+    return torch.exp(v.float() - lse), ids
 
 
 def moe_block_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor, k: int, point: Point,

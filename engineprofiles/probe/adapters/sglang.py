@@ -170,16 +170,43 @@ class SglangAdapter(Adapter):
             def __init__(self, w13, w2):
                 self.w13_weight, self.w2_weight, self.num_experts = w13, w2, w13.shape[0]
 
-        def moe(x, w13, w2, router_logits, topk):
+        def moe(x, w13, w2, router_logits, topk, *, renormalize=True):
             cfg = MoeRunnerConfig(num_experts=w13.shape[0], top_k=topk, activation="silu")
             with torch.no_grad():
                 topk_output = select_experts(hidden_states=x, router_logits=router_logits, layer_id=0,
-                                             topk_config=TopKConfig(top_k=topk, renormalize=True, torch_native=True))
+                                             topk_config=TopKConfig(top_k=topk, renormalize=renormalize,
+                                                                    torch_native=True))
                 return moe_forward_native(_Layer(w13, w2), x, topk_output, cfg)
 
         return RegionImpl(moe, f"sglang select_experts (TopK, torch_native), then moe_forward_native "
                           f"(UnquantizedFusedMoEMethod.forward_cpu without AMX, {self._dispatch()})",
                           [f"called outside the engine with {torch.get_num_threads()} threads"])
+
+    def shared_expert(self) -> RegionImpl | Unavailable:
+        """Qwen2-MoE's shared expert in SGLang's CPU engine: on a host without AMX its sparse MoE block
+        gates the shared expert with ``fused_gate_sigmoid_mul_add``, a Triton GPU kernel (with AMX,
+        sgl_kernel's ``fused_linear_sigmoid_mul``, which the CPU build used here does not carry). The
+        kernel is called here on CPU tensors, as the block would call it: where it cannot run, the
+        entry is unavailable with the error; where it runs, its rounding is not modelled (not probed)."""
+        from sglang.srt.utils import cpu_has_amx_support
+
+        if cpu_has_amx_support():
+            return Unavailable("this CPU has AMX: SGLang gates the shared expert with sgl_kernel's "
+                               "fused_linear_sigmoid_mul, which the CPU build used here does not carry")
+        try:
+            from sglang.kernels.ops.elementwise.elementwise import fused_gate_sigmoid_mul_add
+        except ImportError as e:  # pragma: no cover - another SGLang layout
+            return Unavailable(f"SGLang's shared-expert gate kernel is not importable here ({e})")
+        x = torch.ones(2, 64, dtype=self.dtype)
+        try:
+            fused_gate_sigmoid_mul_add(x, x[0].clone(), x.clone(), x.clone())
+        except Exception as e:  # noqa: BLE001 - the kernel's launch failure is what is recorded
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            return Unavailable(f"SGLang's Qwen2-MoE block gates the shared expert with fused_gate_sigmoid_mul_add, "
+                               f"a Triton GPU kernel, which cannot run on this CPU without AMX ({type(e).__name__}: "
+                               f"{first[:160]}): SGLang cannot run a Qwen2-MoE model here")
+        return Unavailable("SGLang's fused_gate_sigmoid_mul_add ran on this device; its rounding (the gate's "
+                           "logit, sigmoid and sum in one kernel) is not modelled by the shared_expert entry: not probed")
 
     def attention_cases(self) -> tuple[tuple, ...]:
         return ATTENTION_CASES

@@ -206,7 +206,7 @@ class TransformersAdapter(Adapter):
             if given is None or given_router is None:
                 return Unavailable(f"{type(self.model).__name__} has no sparse MoE block (top-k router and experts)")
 
-        def moe(x, w13, w2, router_logits, topk):
+        def moe(x, w13, w2, router_logits, topk, *, renormalize=True):
             experts, router = given, given_router
             e, two_i, h = w13.shape
             if experts is None:
@@ -218,15 +218,15 @@ class TransformersAdapter(Adapter):
             eye = torch.eye(e, dtype=router.weight.dtype, device=router.weight.device)
             with torch.no_grad():
                 saved = experts.gate_up_proj.data, experts.down_proj.data, router.weight.data
-                saved_dims = router.hidden_dim, router.top_k
+                saved_dims = router.hidden_dim, router.top_k, router.norm_topk_prob
                 experts.gate_up_proj.data, experts.down_proj.data, router.weight.data = w13, w2, eye
-                router.hidden_dim, router.top_k = e, topk
+                router.hidden_dim, router.top_k, router.norm_topk_prob = e, topk, renormalize
                 try:
                     _, weights, ids = router(router_logits)  # the identity gate hands the logits on exactly
                     return experts(x, ids, weights)
                 finally:
                     experts.gate_up_proj.data, experts.down_proj.data, router.weight.data = saved
-                    router.hidden_dim, router.top_k = saved_dims
+                    router.hidden_dim, router.top_k, router.norm_topk_prob = saved_dims
 
         if given is None:
             try:
@@ -241,6 +241,64 @@ class TransformersAdapter(Adapter):
         owner = type(given).__name__ if given is not None else "Qwen3MoeExperts"
         return RegionImpl(moe, f"transformers Qwen3MoeTopKRouter.forward (identity gate), then {owner}.forward ({default})",
                           [f"model family qwen3_moe, {torch.get_num_threads()} threads"])
+
+    def shared_expert(self) -> RegionImpl | Unavailable:
+        """Qwen2-MoE's shared expert as HF runs it: a ``Qwen2MoeDecoderLayer`` (built as
+        ``from_config`` builds it) run on the residual, its attention returning zeros and its
+        post-attention norm handing the probe's ``x`` to the sparse MoE block, whose routed experts
+        return the probe's routed output; so the block's own forward (shared expert, sigmoid gate,
+        sum) and the layer's residual add are HF's code. With a given model: its first decoder layer
+        whose MLP has a shared expert."""
+        try:
+            from transformers import Qwen2MoeConfig
+            from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeDecoderLayer
+        except ImportError as e:  # pragma: no cover - a transformers without Qwen2-MoE
+            return Unavailable(f"transformers has no Qwen2-MoE here ({e})")
+        given = None
+        if self.model is not None:
+            given = next((m for m in find_decoder_layers(self.model) if hasattr(m.mlp, "shared_expert")), None)
+            if given is None:
+                return Unavailable(f"{type(self.model).__name__} has no sparse MoE block with a shared expert")
+        layers: dict[tuple[int, int], Any] = {}
+
+        def layer_for(h: int, i: int):
+            if given is not None:
+                return given
+            if (h, i) not in layers:
+                cfg = Qwen2MoeConfig(hidden_size=h, intermediate_size=i, moe_intermediate_size=32, num_experts=2,
+                                     num_experts_per_tok=1, shared_expert_intermediate_size=i, num_hidden_layers=1,
+                                     num_attention_heads=1, num_key_value_heads=1, vocab_size=32)
+                cfg._attn_implementation = "eager"
+                layers[h, i] = Qwen2MoeDecoderLayer(cfg, layer_idx=0).to(device=self.device, dtype=self.dtype)
+            return layers[h, i]
+
+        def shared_expert(x, w_gate_up, w_down, w_gate, routed, residual):
+            t, h = x.shape
+            i = w_down.shape[1]
+            layer = layer_for(h, i)
+            block = layer.mlp
+            se = block.shared_expert
+            gate_w, up_w = w_gate_up[:i], w_gate_up[i:]
+            with torch.no_grad():
+                saved = [(m, m.weight.data) for m in (se.gate_proj, se.up_proj, se.down_proj, block.shared_expert_gate)]
+                for (m, _), w in zip(saved, (gate_w, up_w, w_down, w_gate)):
+                    m.weight.data = w.contiguous()
+                pos = torch.arange(t, device=x.device).unsqueeze(0)
+                try:
+                    with _swap(layer, self_attn=_AttnReturns(torch.zeros_like(residual).unsqueeze(0)),
+                               post_attention_layernorm=_Returns(x.unsqueeze(0))), _swap(block, experts=_Returns(routed)):
+                        out = layer(residual.unsqueeze(0), attention_mask=None, position_ids=pos,
+                                    position_embeddings=(torch.ones(1, t, 2, dtype=x.dtype, device=x.device),) * 2)
+                finally:
+                    for m, w in saved:
+                        m.weight.data = w
+            out = out[0] if isinstance(out, tuple) else out
+            return out[0]
+
+        return RegionImpl(shared_expert,
+                          "transformers Qwen2MoeDecoderLayer.forward: Qwen2MoeSparseMoeBlock.forward (its shared expert "
+                          "and shared_expert_gate; routed experts standing in with the probe's output), then the "
+                          "layer's residual add", [f"model family qwen2_moe, {torch.get_num_threads()} threads"])
 
     # -- building the family's modules for a probe shape ---------------------------------------
     def _parts(self, hidden: int, heads: int = 1, kv: int = 1, head_dim: int = 64, inter: int = 64,
@@ -323,6 +381,17 @@ class TransformersAdapter(Adapter):
 class _Identity(torch.nn.Module):
     def forward(self, x):
         return x
+
+
+class _Returns(torch.nn.Module):
+    """Stands in for a module: returns the given tensor whatever it is called with."""
+
+    def __init__(self, value: torch.Tensor):
+        super().__init__()
+        self.value = value
+
+    def forward(self, *args, **kwargs):
+        return self.value
 
 
 class _AttnReturns(torch.nn.Module):
