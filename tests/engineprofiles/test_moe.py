@@ -153,3 +153,36 @@ def test_the_routers_by_hand_and_hf_s_router_at_its_point():
         router.weight.copy_(torch.eye(8))
     _, hf_w, hf_ids = router(logits)
     assert torch.equal(hf_ids, ids) and torch.equal(hf_w, w.to(BF))  # routing_weight=rounded: HF's cast
+
+
+def test_the_routers_without_renormalization_by_hand():
+    """Qwen2-MoE (norm_topk_prob=False): softmax_all: the top k of the FP32 softmax, not renormalized;
+    softmax_topk: exp(top-k logit - logsumexp) in FP32 with the logsumexp rounded to the logits' dtype
+    (vLLM's compiled router stores that reduction in BF16, measured); softmax_topk_act: each of
+    torch's ops on the BF16 logits (vLLM's eager router), whose logsumexp is not the rounded FP32 one.
+    With renormalization, softmax_topk_act is the BF16 softmax of the top-k logits."""
+    from engineprofiles.regions import route
+    from engineprofiles.rounding import round_to
+
+    g = torch.Generator().manual_seed(6)
+    logits = (torch.randn(64, 8, generator=g) * 2).to(BF)
+    p_all = MOE_SPEC.point(dict(gate_up=R, silu=R, expert_out=R, routing_weight=R, weighted=R, combine=F))
+    w, ids = route(logits, 3, p_all, renormalize=False)
+    top, want_ids = torch.softmax(logits.float(), -1).topk(3)
+    assert torch.equal(ids, want_ids) and torch.equal(w, top)
+    v, unsorted = torch.topk(logits, 3, sorted=False)
+    lse = torch.logsumexp(logits.float(), -1, keepdim=True)
+    w_top, ids_top = route(logits, 3, p_all.replace(router="softmax_topk"), renormalize=False)
+    assert torch.equal(ids_top, unsorted)
+    assert torch.equal(w_top, torch.exp(v.float() - round_to(lse, BF)))
+    assert not torch.equal(w_top, torch.exp(v.float() - lse))  # the rounding of the logsumexp shows
+    w_act, ids_act = route(logits, 3, p_all.replace(router="softmax_topk_act"), renormalize=False)
+    assert torch.equal(ids_act, unsorted) and w_act.dtype == torch.float32
+    by_hand = (v - torch.logsumexp(logits, -1, keepdim=True)).exp().float()
+    assert torch.equal(w_act, by_hand)
+    assert not torch.equal(w_act, w_top)
+    assert not torch.equal(torch.logsumexp(logits, -1).float(), round_to(torch.logsumexp(logits.float(), -1), BF))
+    w_act_n, _ = route(logits, 3, p_all.replace(router="softmax_topk_act"))
+    assert torch.equal(w_act_n, torch.softmax(v, -1).float())
+    # The act router's weights are already BF16: its routing_weight site is canonically rounded.
+    assert MOE_SPEC.canonicalize(p_all.replace(router="softmax_topk_act", routing_weight=F))["routing_weight"] == R

@@ -141,7 +141,8 @@ def test_standard_sweep_covers_token_counts_hidden_sizes_head_dims_and_gqa():
 
 # -- the MoE experts (recorded beside the regions) ---------------------------------------------
 MOE_SMALL = [dict(tokens=12, hidden=64, inter=32, experts=3, topk=2, one_hot=True),
-             dict(tokens=9, hidden=96, inter=64, experts=4, topk=3)]
+             dict(tokens=9, hidden=96, inter=64, experts=4, topk=3),
+             dict(tokens=24, hidden=64, inter=32, experts=4, topk=2, renormalize=False)]
 
 
 def _moe_points():
@@ -153,7 +154,7 @@ def _moe_points():
         MOE_SPEC.point(dict(gate_up=F, silu=F, expert_out=F, routing_weight=F, weighted=F, combine=F),
                        dict(router="softmax_topk", gemm_order="sequential", combine_fma="fma")),  # vLLM compiled
         MOE_SPEC.point(dict(gate_up=F, silu=F, expert_out=F, routing_weight=R, weighted=F, combine=F),
-                       dict(router="softmax_topk", gemm_order="sequential", combine_fma="fma")),  # vLLM eager
+                       dict(router="softmax_topk_act", gemm_order="sequential", combine_fma="fma")),  # vLLM eager
         MOE_SPEC.point(dict(gate_up=R, silu=R, expert_out=R, routing_weight=F, weighted=F, combine=F),
                        dict(gemm_order="library", combine_fma="none")),  # SGLang's native MoE
         MOE_SPEC.point(dict(gate_up=R, silu=R, expert_out=R, routing_weight=R, weighted=R, combine=F),
@@ -185,3 +186,41 @@ def test_probe_recovers_the_moe_sites_of_a_synthetic_engine(p):
 def test_an_engine_without_moe_experts_records_them_unavailable_with_the_reason():
     prof, _ = run_probe(SyntheticAdapter({"swiglu": SWIGLU_SPEC.point(silu="fp32")}, sweeps=SMALL), regions=["swiglu", "moe"])
     assert not prof.available("moe") and prof.moe.evidence.reason == "synthetic has no MoE experts probe"
+
+
+# -- the MoE shared expert (recorded beside the regions) ---------------------------------------
+SHARED_SMALL = [dict(tokens=5, hidden=64, inter=32), dict(tokens=96, hidden=64, inter=32)]
+
+
+def _shared_points():
+    """The points measured on real engines (vLLM compiled and eager, HF), and each with one site flipped."""
+    from engineprofiles.regions import SHARED_EXPERT_SPEC as S
+
+    F, R = "fp32", "rounded"
+    measured = [S.point(dict(silu=F, gate=R, weighted=R, sum=F)), S.point(dict(silu=R, gate=R, weighted=R, sum=R))]
+    out = []
+    for p in measured:
+        out.append(p)
+        out += [p.replace(**{s: R if p[s] == F else F}) for s in S.site_names]
+    return list(dict.fromkeys(out))
+
+
+@pytest.mark.parametrize("p", _shared_points(), ids=lambda p: p.label().replace(" ", ","))
+def test_probe_recovers_the_shared_expert_sites_of_a_synthetic_engine(p):
+    from engineprofiles.regions import SHARED_EXPERT_SPEC as S
+
+    prof, _ = run_probe(SyntheticAdapter({"shared_expert": p}, sweeps={"shared_expert": SHARED_SMALL}),
+                        regions=["shared_expert"])
+    ev = prof.shared_expert.evidence
+    got = prof.point("shared_expert")
+    assert S.site_part(got) == S.site_part(p), (p, got)
+    assert ev.match_rate == 1.0 and ev.max_ulp == 0 and not ev.ambiguous, ev
+    assert ev.runner_up_match_rate is not None and ev.runner_up_match_rate < 1.0
+    assert not prof.available("moe") and "--region" in prof.moe.evidence.reason
+
+
+def test_an_engine_without_a_shared_expert_records_it_unavailable_with_the_reason():
+    prof, _ = run_probe(SyntheticAdapter({"swiglu": SWIGLU_SPEC.point(silu="fp32")}, sweeps=SMALL),
+                        regions=["swiglu", "shared_expert"])
+    assert not prof.available("shared_expert")
+    assert prof.shared_expert.evidence.reason == "synthetic has no MoE shared expert probe"
