@@ -318,20 +318,24 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
     else:
         att_point, att_ev = None, {"status": "unavailable",
                                    "reason": "the capture holds no attention calls of the engine"}
-    # The MoE experts are not fitted in situ (the tiny models are dense): the op-level entry the fit
-    # started from is carried over, saying so. Engines run their fused-MoE experts as an opaque op,
-    # outside what a compiled graph fuses, so the op-level result holds in the whole model too.
-    moe_ev = start.moe.evidence.model_dump()
-    moe_point = start.point("moe") if start.available("moe") else None
+    # The MoE experts and shared expert are not fitted in situ (the fitted tiny models are dense): the
+    # op-level entries the fit started from are carried over, saying so. vLLM runs them inside the
+    # MoE block's opaque op, outside what its compiled graph fuses; the shared expert's entry also
+    # holds the block's sum, which the op-level probe measured compiled into the next residual add.
+    beside: dict[str, tuple[Any, Any]] = {}
     start_cap, cap = start.engine.settings.get("cpu_capability"), eng.get("cpu_capability")
-    if moe_point is not None and cap is not None and start_cap != cap:
-        # The fused kernels dispatch by ISA: a result measured on another capability is not known here.
-        moe_point, moe_ev = None, {"status": "unavailable", "reason": (
-            f"not probed on {cap}: the op-level profile {start.canonical_name} measured the MoE experts on "
-            f"{start_cap}; probe them op-level on {cap}")}
-    elif moe_point is not None:
-        moe_ev["notes"] = [*moe_ev.get("notes", []), f"op-level, carried over from {start.canonical_name} (the "
-                           "in-situ fit runs dense models; the experts are not fitted in situ)"]
+    for name, what in (("moe", "the MoE experts"), ("shared_expert", "the MoE shared expert")):
+        ev = start.entry(name).evidence.model_dump()
+        point = start.point(name) if start.available(name) else None
+        if point is not None and cap is not None and start_cap != cap:
+            # The fused kernels dispatch by ISA: a result measured on another capability is not known here.
+            point, ev = None, {"status": "unavailable", "reason": (
+                f"not probed on {cap}: the op-level profile {start.canonical_name} measured {what} on "
+                f"{start_cap}; probe them op-level on {cap}")}
+        elif point is not None:
+            ev["notes"] = [*ev.get("notes", []), f"op-level, carried over from {start.canonical_name} (the "
+                           "in-situ fit runs dense models; this entry is not fitted in situ)"]
+        beside[name] = (point, ev)
     return make_profile(
         engine=start.engine.model_copy(update=update),
         dtype=start.dtype,
@@ -339,8 +343,7 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
         evidence=evidence,
         attention=att_point,
         attention_evidence=att_ev,
-        moe=moe_point,
-        moe_evidence=moe_ev,
+        beside=beside,
         provenance=dict(
             date=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
             probe_version=PROBE_VERSION, package_version=__version__, method="in-situ", command=command,

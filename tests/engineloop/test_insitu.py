@@ -133,9 +133,11 @@ def test_an_in_situ_profile_records_the_machine_the_engine_ran_on(model, planted
     assert prof.engine.settings["in_situ_family"] == "qwen2" and prof.provenance.method == "in-situ"
     # The MoE experts measured op-level on another capability are not carried over: not known here.
     assert target.available("moe") and not prof.available("moe") and "TEST_ISA" in prof.moe.evidence.reason
+    assert target.available("shared_expert") and not prof.available("shared_expert")
+    assert "TEST_ISA" in prof.shared_expert.evidence.reason
 
 
-def test_an_in_situ_profile_carries_the_op_level_moe_entry_measured_on_the_same_capability(model, planted):
+def test_an_in_situ_profile_carries_the_op_level_moe_entries_measured_on_the_same_capability(model, planted):
     from engineloop.fit import in_situ_profile
 
     target, cap = planted
@@ -145,6 +147,8 @@ def test_an_in_situ_profile_carries_the_op_level_moe_entry_measured_on_the_same_
     assert prof.available("moe") and prof.point("moe") == target.point("moe")
     assert prof.moe.evidence.match_rate == target.moe.evidence.match_rate
     assert any("carried over from " + target.canonical_name in n for n in prof.moe.evidence.notes)
+    assert prof.available("shared_expert") and prof.point("shared_expert") == target.point("shared_expert")
+    assert any("carried over from " + target.canonical_name in n for n in prof.shared_expert.evidence.notes)
 
 
 def test_a_capture_is_loaded_without_running_code_from_the_file(tmp_path):
