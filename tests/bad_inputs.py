@@ -43,6 +43,9 @@ from .interpreted import import_emulator_interpreted
 
 import_emulator_interpreted()
 import emulator.functional as F  # noqa: E402
+from engineprofiles.schema import SCHEMA_VERSION  # noqa: E402
+
+FUTURE = SCHEMA_VERSION + 1  # a schema version this package does not know yet
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
@@ -841,8 +844,8 @@ def _cases() -> list[Case]:
     add("file-unknown-site", PF, "an unknown site in a region",
         _load(lambda ctx: _write(ctx, "p.yaml", _mutated(lambda d: d["regions"]["swiglu"]["sites"].update(gate="fp32")))),
         Raises(ProfileError, "unknown site 'gate'"))
-    add("file-future-version", PF, "a future schema_version (5)",
-        _load(lambda ctx: _write(ctx, "p.yaml", _mutated(lambda d: d.update(schema_version=5)))),
+    add("file-future-version", PF, f"a future schema_version ({FUTURE})",
+        _load(lambda ctx: _write(ctx, "p.yaml", _mutated(lambda d: d.update(schema_version=FUTURE)))),
         Raises(ProfileError, "not supported"))
     add("file-version-string", PF, "schema_version as a string ('2')",
         _load(lambda ctx: _write(ctx, "p.yaml", _mutated(lambda d: d.update(schema_version="2")))),
@@ -882,8 +885,8 @@ def _cases() -> list[Case]:
     add("cli-show-unknown-key", CLI, "`show` of a profile with an unknown key",
         _cli(lambda ctx: ["show", str(_write(ctx, "p.yaml", good_yaml() + "colour: blue\n"))]),
         CliExit(2, "unknown key 'colour'"))
-    add("cli-show-future-version", CLI, "`show` of a profile with schema_version 5",
-        _cli(lambda ctx: ["show", str(_write(ctx, "p.yaml", _mutated(lambda d: d.update(schema_version=5))))]),
+    add("cli-show-future-version", CLI, f"`show` of a profile with schema_version {FUTURE}",
+        _cli(lambda ctx: ["show", str(_write(ctx, "p.yaml", _mutated(lambda d: d.update(schema_version=FUTURE))))]),
         CliExit(2, "not supported"))
     add("cli-show-directory", CLI, "`show` of a folder", _cli(lambda ctx: ["show", str(_folder(ctx))]),
         CliExit(2, "is a folder"))
