@@ -1,7 +1,7 @@
 """Training side: Triton kernels, autograd ops and model patching that reproduce a profile.
 
-``emulator.functional`` is the public API (rope, swiglu, rmsnorm, add_rmsnorm; moe, attention). It is imported on
-first use, so that ``emulator.ops`` (the kernels) also imports where the profile schema's
+``emulator.functional`` is the public API (rope, swiglu, rmsnorm, add_rmsnorm; moe, shared_expert,
+attention). It is imported on first use, so that ``emulator.ops`` (the kernels) also imports where the profile schema's
 dependencies (pydantic) are not installed, e.g. on a bare GPU machine running scripts/gpu_check.py.
 """
 
@@ -17,6 +17,7 @@ _PATCHING = ("apply_profile", "PatchHandle", "handle_of", "apply_recorded_profil
 
 __all__ = [
     "functional", *_PATCHING, "patch_qwen2", "patch_qwen3", "patch_llama", "patch_mistral", "patch_qwen3_moe",
+    "patch_qwen2_moe",
     "EmulatorError", "RegionUnavailable", "ProfileMismatch", "BackendError", "InputError",
 ]
 

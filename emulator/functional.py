@@ -1,5 +1,6 @@
 """The emulator's public API: the three regions at the rounding sites of a profile, with autograd;
-also a sparse MoE block's experts (:func:`moe`, the profile's ``moe`` entry) and exact mode's attention.
+also a sparse MoE block's experts (:func:`moe`, the profile's ``moe`` entry), its shared expert
+(:func:`shared_expert`, the ``shared_expert`` entry) and exact mode's attention.
 
 Each function takes ``profile``: a :class:`~engineprofiles.schema.Profile`, the path of a profile
 YAML, the name of a shipped profile, or (for tests and experiments) a lattice
@@ -57,6 +58,7 @@ import torch
 
 from engineprofiles.regions import STYLES, Point
 from engineprofiles.regions.moe import check_moe_inputs
+from engineprofiles.regions.shared_expert import check_shared_inputs
 from engineprofiles.rounding import ACT_DTYPES
 from engineprofiles.schema import Profile, load_profile
 from engineprofiles.store import resolve
@@ -66,13 +68,14 @@ from .ops._backend import BACKENDS, ENV_VAR, backend_for, current_backend, trace
 from .ops._utils import point_key
 from .ops.attention import ExactAttentionFunction, attention_op
 from .ops.moe import MoEFunction
+from .ops.shared_expert import SharedExpertFunction
 from .ops.rmsnorm import AddRMSNormFunction, RMSNormFunction, add_rmsnorm_op, rmsnorm_op
 from .ops.rope import RoPEFunction, rope_op
 from .ops.swiglu import SwiGLUFunction, swiglu_op
 
 ProfileLike = Union[Profile, str, os.PathLike, Point]
 
-__all__ = ["rope", "swiglu", "rmsnorm", "add_rmsnorm", "moe", "attention", "use_backend", "current_backend", "BACKENDS", "ENV_VAR"]
+__all__ = ["rope", "swiglu", "rmsnorm", "add_rmsnorm", "moe", "shared_expert", "attention", "use_backend", "current_backend", "BACKENDS", "ENV_VAR"]
 
 
 # -- backend choice -------------------------------------------------------------------------------
@@ -398,6 +401,54 @@ def _moe_eager(x, w13, w2, topk_weights, topk_ids, point, math):  # noqa: ANN001
 
 
 _moe_eager = torch.compiler.disable(_moe_eager)
+
+
+def shared_expert(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    w_gate: torch.Tensor,
+    routed: torch.Tensor,
+    profile: ProfileLike,
+    *,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """A sparse MoE block's output with its shared expert, at the profile's ``shared_expert`` point:
+    ``m = routed + sigmoid(x @ w_gate^T) * down(silu(gate) * up)``, rounded where the point says
+    (:func:`engineprofiles.regions.shared_block_ref`, bit for bit).
+
+    x: [tokens, hidden] in the activation dtype; w_gate_up: [2 * inter, hidden] (the shared expert's
+    gate_proj rows, then up_proj's); w_down: [hidden, inter]; w_gate: [1, hidden] (the shared expert's
+    gate); routed: [tokens, hidden], the routed experts' output (:func:`moe`). Returns m [tokens,
+    hidden]: FP32 where the point keeps ``sum`` FP32 (hand it to :func:`add_rmsnorm` as it is: the
+    next residual add rounds once), else in the activation dtype. Gradients flow to x, the three
+    weights and routed: the gradient of the FP32 function with rounding treated as identity, in FP32
+    (:mod:`emulator.ops.shared_expert`). No Triton kernel: every backend runs the torch reference on
+    the tensors' device (``reference-portable`` with portable math). Under torch.compile it runs
+    eagerly (a graph break).
+    """
+    op = "shared_expert"
+    _check_float(op, x=x, w_gate_up=w_gate_up, w_down=w_down, w_gate=w_gate, routed=routed)
+    act_dtypes = tuple(ACT_DTYPES.values())
+    if x.dtype not in act_dtypes:
+        raise InputError(f"shared_expert: x must be in an activation dtype (bfloat16 or float16), got {x.dtype}")
+    try:
+        check_shared_inputs(x, w_gate_up, w_down, w_gate, routed)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    point, _ = _point_and_dtype(profile, "shared_expert", op, x, dtype)
+    math = "portable" if _backend_for(x.device) == "reference-portable" else "torch"
+    with _fp32_math(x.device):
+        if torch.compiler.is_compiling():
+            return _shared_expert_eager(x, w_gate_up, w_down, w_gate, routed, point, math)
+        return SharedExpertFunction.apply(x, w_gate_up, w_down, w_gate, routed, point, math)
+
+
+def _shared_expert_eager(x, w_gate_up, w_down, w_gate, routed, point, math):  # noqa: ANN001, ANN202
+    return SharedExpertFunction.apply(x, w_gate_up, w_down, w_gate, routed, point, math)
+
+
+_shared_expert_eager = torch.compiler.disable(_shared_expert_eager)
 
 
 # -- exact mode: attention ------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Tests, closed-loop probes, benchmarks and end-to-end checks need a real model of each family
 without downloading one. :func:`tiny_model` builds it from a config alone, with weights drawn from
 a seeded generator at realistic scales (norm weights around 1 +- 0.1, projections and embeddings
-N(0, 0.02), Qwen2's attention biases N(0, 0.02)), so the same seed gives the same bits on every
+N(0, 0.02), Qwen2's attention biases and Qwen2-MoE's shared-expert gate N(0, 0.02)), so the same seed gives the same bits on every
 machine. torch and transformers are imported when a model is built, not when this module is.
 
     >>> model = tiny_model("qwen3", seed=1)              # 2 layers, hidden 256, vocab 256, BF16
@@ -41,15 +41,21 @@ DEFAULTS: dict[str, Any] = dict(
     max_position_embeddings=40960,
 )
 
-ROPE_THETA = {"qwen2": 1000000.0, "qwen3": 1000000.0, "llama": 500000.0, "mistral": 1000000.0, "qwen3_moe": 1000000.0}
+ROPE_THETA = {"qwen2": 1000000.0, "qwen3": 1000000.0, "llama": 500000.0, "mistral": 1000000.0, "qwen3_moe": 1000000.0,
+              "qwen2_moe": 1000000.0}
 # Config fields a family's tiny model sets beyond DEFAULTS: Mistral's config defaults to a 4096-token
 # sliding window (Mistral-7B-v0.1); later Mistral checkpoints have none, and the tiny model neither.
 # Qwen3-MoE: every layer a sparse MoE block of 8 experts, 2 per token (Qwen3-30B-A3B has 128 and 8),
 # expert width 128 (vLLM's CPU fused-MoE kernel needs multiples of 32), top-k weights renormalized.
+# Qwen2-MoE: the same experts, not renormalized (Qwen2-MoE's default, as Qwen1.5-MoE-A2.7B), beside a
+# shared expert of width 256 and its sigmoid gate (shared_expert_gate); q/k/v biases (its default).
 FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     "mistral": dict(sliding_window=None),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[]),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=False,
+                      shared_expert_intermediate_size=256, decoder_sparse_step=1, mlp_only_layers=[],
+                      qkv_bias=True, use_sliding_window=False),
 }
 
 # RoPE scalings (rope_parameters beside the family's rope_theta; ``tiny_model(..., rope_scaling=NAME)``,
@@ -91,6 +97,10 @@ def _config_class(family: str):
         from transformers import Qwen3MoeConfig
 
         return Qwen3MoeConfig
+    if family == "qwen2_moe":
+        from transformers import Qwen2MoeConfig
+
+        return Qwen2MoeConfig
     raise AssertionError(family)  # pragma: no cover - FAMILIES and the branches above agree
 
 
@@ -135,7 +145,7 @@ def tiny_model(
     rope_scaling: str | None = None,
     **overrides: Any,
 ) -> Any:
-    """A causal LM of ``family`` (qwen2, qwen3, llama, mistral, qwen3_moe) with 2 decoder layers by default, its
+    """A causal LM of ``family`` (qwen2, qwen3, llama, mistral, qwen3_moe, qwen2_moe) with 2 decoder layers by default, its
     weights drawn from ``seed`` (see :func:`init_weights`), in ``dtype``, in eval mode.
 
     ``rope_scaling``: a RoPE scaling of :data:`ROPE_SCALINGS` (None: default RoPE); ``overrides``

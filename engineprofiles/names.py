@@ -16,9 +16,10 @@ REGION_NAMES = ("rope", "swiglu", "add_rmsnorm", "rmsnorm")
 # Probed like the regions and recorded beside them (engineprofiles.regions.BESIDE).
 BESIDE_NAMES = ("attention", "moe", "shared_expert")
 ACT_DTYPE_NAMES = ("bfloat16", "float16")
-FAMILY_NAMES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe")
-# The families whose MLPs are sparse MoE blocks (their experts are the profile's moe entry).
-MOE_FAMILY_NAMES = ("qwen3_moe",)
+FAMILY_NAMES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "qwen2_moe")
+# The families whose MLPs are sparse MoE blocks (their experts are the profile's moe entry; Qwen2-MoE's
+# blocks also have a shared expert, the profile's shared_expert entry).
+MOE_FAMILY_NAMES = ("qwen3_moe", "qwen2_moe")
 # The RoPE scalings a tiny model can carry (engineprofiles.models.ROPE_SCALINGS; CLI --rope-scaling).
 ROPE_SCALING_NAMES = ("llama3", "linear")
 # The execution modes each engine's adapter runs (engineprofiles/probe/adapters/).

@@ -30,10 +30,15 @@ model, so PEFT-wrapped and already-instantiated models work):
   the previous layer through ``h`` (:class:`_Carry`), so reentrant checkpointing and FSDP2's
   post-backward hooks see it where HF's would.
 
-* MoE (Qwen3-MoE): each sparse MoE block computes its experts with ``functional.moe`` at the
+* MoE (Qwen3-MoE, Qwen2-MoE): each sparse MoE block computes its experts with ``functional.moe`` at the
   profile's ``moe`` point (:mod:`emulator.ops.moe`); its router runs as HF's module, and when the
   point keeps ``routing_weight`` FP32 the block hands the router's FP32 top-k weights (before HF's
   cast) to the experts. Dense layers (``mlp_only_layers``) keep the SwiGLU region's patch.
+  Qwen2-MoE's sparse blocks also have a gated shared expert: the block's output is
+  ``functional.shared_expert`` (the routed output plus the shared term, at the profile's
+  ``shared_expert`` point); where that point keeps ``sum`` FP32 the block hands the FP32 sum on, and the
+  patched layer's residual path adds it to the residual unrounded (the layers are then patched even
+  where the add_rmsnorm point is HF's own).
 
 Regions whose profile point is the one HF's own module computes (:data:`NATIVE`) are left as
 they are unless ``skip_native=False``: HF's code already rounds there, and its autograd backward

@@ -109,6 +109,25 @@ def _moe_point(profile: Profile, decoders: list[Decoder]) -> Point | None:
     return profile.point("moe")
 
 
+def _shared_point(profile: Profile, decoders: list[Decoder]) -> Point | None:
+    """The profile's ``shared_expert`` point when the model has sparse MoE blocks with a shared
+    expert (Qwen2-MoE; None otherwise: the entry does not affect other models); refused when the
+    profile has none measured."""
+    blocks = [f"{d.path}.layers.{i}.mlp" for d in decoders if d.family.shared_expert for i in d.sparse]
+    if not blocks:
+        return None
+    if not profile.available("shared_expert"):
+        more = f" and {len(blocks) - 1} more" if len(blocks) > 1 else ""
+        raise RegionUnavailable(
+            f"profile {profile.canonical_name} has no measured shared_expert entry "
+            f"({profile.shared_expert.evidence.reason}), and the model has sparse MoE blocks with a shared expert "
+            f"({blocks[0]}{more}) whose shared expert and sum with the routed experts the patch computes at the "
+            "profile's shared_expert point; so it changes nothing: use a profile in which shared_expert was measured "
+            "(schema version 5, probed with this version of engineprofiles)"
+        )
+    return profile.point("shared_expert")
+
+
 def _check_exact(model: torch.nn.Module, decoders: list[Decoder], profile: Profile) -> Point:
     """Exact mode's own refusals (before anything changes) and its capability warning."""
     import warnings
@@ -192,13 +211,18 @@ def _model_device(model: torch.nn.Module) -> torch.device | None:
 
 def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native: bool = True,
                   exact: bool = False, record: bool = False) -> PatchHandle:
-    """Patch ``model`` (a HF transformers Qwen2/Qwen2.5, Qwen3, Llama, Mistral or Qwen3-MoE model, possibly
+    """Patch ``model`` (a HF transformers Qwen2/Qwen2.5, Qwen3, Llama, Mistral, Qwen3-MoE or Qwen2-MoE model, possibly
     wrapped by PEFT or FSDP2) in place so that RoPE, SwiGLU and the residual RMSNorm round where ``profile``
     says; in a Qwen3-MoE model the sparse MoE blocks' experts also compute at the profile's ``moe`` point
     (their router's FP32 top-k weights handed on unrounded where that point keeps ``routing_weight``
-    FP32), and a profile without a measured ``moe`` entry is refused (:class:`RegionUnavailable`). The
-    moe entry is always emulated (HF's own experts round as configured by ``_experts_implementation``,
-    so none is skipped as native), and a patched MoE model runs eagerly (compiling it is refused).
+    FP32), and a profile without a measured ``moe`` entry is refused (:class:`RegionUnavailable`). In a
+    Qwen2-MoE model the sparse blocks' shared expert and its sum with the routed experts also compute at
+    the profile's ``shared_expert`` point (a profile without it measured is refused the same way); where
+    that point keeps ``sum`` FP32 the block's output reaches the next residual add unrounded (the
+    decoder layers' residual path is then patched whatever ``skip_native`` says). The
+    moe and shared_expert entries are always emulated (HF's own experts round as configured by
+    ``_experts_implementation``, so none is skipped as native), and a patched MoE model runs eagerly
+    (compiling it is refused).
     ``profile``: a Profile, a path, a shipped name, or an engine: ``"vllm"``,
     ``"vllm==0.32.0"``, ``"vllm:eager"`` (``ENGINE[==VERSION][:MODE]``; the shipped profile that
     fits this model best: the installed engine version, else the newest; the engine's default mode
@@ -271,6 +295,7 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
         check_decoder(d, prof.engine.name)
         mixed = _check_dtype(d, prof, act) or mixed
     moe_point = _moe_point(prof, decoders)
+    shared_point = _shared_point(prof, decoders)
     _check_patchable(model, decoders)
     exact_point = _check_exact(model, decoders, prof) if exact else None
 
@@ -278,13 +303,18 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     # FP32 master weights (mixed precision): HF's own modules do not round as with weights stored in the
     # activation dtype (e.g. its norm multiplies by the FP32 weight), so every region is emulated.
     emulate = {r: mixed or (not skip_native) or points[r] != REGIONS[r].canonicalize(NATIVE[r]) for r in REGIONS}
+    if shared_point is not None and shared_point["sum"] == FP32:
+        # The sparse blocks hand their output on in FP32: only the patched layer's residual path (the
+        # add fused into the next norm) takes it unrounded; HF's layer would add it in FP32 and return that.
+        emulate["add_rmsnorm"] = True
+    beside = (("moe",) if moe_point is not None else ()) + (("shared_expert",) if shared_point is not None else ())
     # Qwen3's q/k norms handing FP32 on need the emulator's RoPE, which takes FP32 input.
     qk_fp32 = fam.qk_norm and emulate["rmsnorm"] and points["rmsnorm"]["output"] == FP32
     attention = emulate["rope"] or qk_fp32 or not all(d.inv_freq_exact for d in decoders) or exact or mixed
     handle = PatchHandle(
         model, prof, fam,
         emulated=tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention))
-        + (("attention",) if exact else ()) + (("moe",) if moe_point is not None else ()),
+        + (("attention",) if exact else ()) + beside,
         native=tuple(r for r in REGIONS if not (emulate[r] or (r == "rope" and attention))),
     )
     handle.exact = exact
@@ -296,13 +326,13 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     if norm_backend:
         emulate = dict(emulate, rmsnorm=True, add_rmsnorm=True)
         handle.emulated = tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention)) + ("attention",) \
-            + (("moe",) if moe_point is not None else ())
+            + beside
         handle.native = tuple(r for r in handle.native if r not in ("rmsnorm", "add_rmsnorm"))
     handle.norm_backend = norm_backend
     raw = {r: prof.point(r) for r in REGIONS}  # as the profile writes them (the forwards compute these)
     try:
         for d in decoders:
-            _patch_decoder(handle, d, raw, act, emulate, attention, exact_point, norm_backend, moe_point)
+            _patch_decoder(handle, d, raw, act, emulate, attention, exact_point, norm_backend, moe_point, shared_point)
             if handle.native:  # torch.compile is refused (guard.py), wherever it starts; eagerly nothing more is needed
                 refuse = refusal_hook(native_message(handle.native, prof.canonical_name))
                 for mod in _region_modules(d):
@@ -331,7 +361,8 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
 
 def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], act: torch.dtype,
                    emulate: dict[str, bool], attention: bool, exact_point: Point | None = None,
-                   norm_backend: str | None = None, moe_point: Point | None = None) -> None:
+                   norm_backend: str | None = None, moe_point: Point | None = None,
+                   shared_point: Point | None = None) -> None:
     c, p, layers = d.classes, d.path, d.layers
     ACTIVE[d.module] = handle
     handle._undo.append(lambda: ACTIVE.pop(d.module, None))
@@ -353,7 +384,8 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], ac
     if moe_point is not None:
         for i in d.sparse:
             handle._bind(f"{p}.layers.{i}.mlp", layers[i].mlp,
-                         fw.moe_block(moe_point, act, f"{p}.layers.{i}.mlp", handle.profile.canonical_name))
+                         fw.moe_block(moe_point, act, f"{p}.layers.{i}.mlp", handle.profile.canonical_name,
+                                      shared=shared_point if d.family.shared_expert else None))
     if emulate["rmsnorm"]:
         handle._bind(f"{p}.layers.0.input_layernorm", layers[0].input_layernorm,
                      fw.norm_plain(points["rmsnorm"], act, to_act=True, backend=norm_backend))

@@ -7,7 +7,8 @@ modules, with the RoPE and activation the regions model, before anything is patc
 family with the same layer structure is one more entry in :data:`FAMILIES`. A family with sparse MoE
 blocks (``moe=True``: Qwen3-MoE) has, in each decoder layer, either the family's dense MLP or its
 sparse MoE block (a router and the experts, whose SwiGLU expert MLPs and weighted combine the
-profile's ``moe`` entry describes).
+profile's ``moe`` entry describes); in Qwen2-MoE (``shared_expert=True``) the block also has a gated
+shared expert, whose sum with the routed output the profile's ``shared_expert`` entry describes.
 
 :data:`NATIVE` is the lattice point each region of HF's own modules computes (eager, any device),
 checked against the probe of the installed transformers by tests/emulator/test_patching.py.
@@ -64,6 +65,10 @@ class Family:
     # ``experts`` ``{prefix}Experts``) in the layers that are not dense (config.mlp_only_layers,
     # decoder_sparse_step); they compute at the profile's ``moe`` point.
     moe: bool = False
+    # The sparse blocks also have a shared expert (Qwen2-MoE: ``shared_expert``, the family's dense MLP
+    # class, and ``shared_expert_gate``, a Linear hidden -> 1), computed at the profile's
+    # ``shared_expert`` point and added to the routed experts' output.
+    shared_expert: bool = False
 
     def sliding_window(self, attention: Any) -> Any:
         """The sliding window the family's attention module uses (None: full causal attention)."""
@@ -110,6 +115,8 @@ FAMILIES: dict[str, Family] = {
                window_in_config=True),
         Family("qwen3_moe", "Qwen3-MoE", "transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe", qk_norm=True,
                moe=True),
+        Family("qwen2_moe", "Qwen2-MoE, Qwen1.5-MoE", "transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2Moe",
+               qk_norm=False, moe=True, shared_expert=True),
     )
 }
 
@@ -151,10 +158,10 @@ def _check_module(path: str, mod: Any, cls: Any, what: str) -> None:
         )
 
 
-def _check_sparse(path: str, block: Any, c: dict[str, Any]) -> None:
+def _check_sparse(path: str, block: Any, c: dict[str, Any], family: Family) -> None:
     """A sparse MoE block the patch computes itself: the family's router and experts, with the
     layout the ``moe`` entry's reference takes (w13 = [gate; up] per expert, not transposed, no
-    bias, every expert local)."""
+    bias, every expert local); and its shared expert where the family has one."""
     _check_module(f"{path}.gate", block.gate, c["router"], "MoE router")
     _check_module(f"{path}.experts", block.experts, c["experts"], "MoE experts")
     ex = block.experts
@@ -172,6 +179,37 @@ def _check_sparse(path: str, block: Any, c: dict[str, Any]) -> None:
             f"{path}: expert weights of shapes gate_up_proj {tuple(ex.gate_up_proj.shape)}, down_proj "
             f"{tuple(ex.down_proj.shape)} and router {tuple(block.gate.weight.shape)} do not fit together"
         )
+    if family.shared_expert:
+        _check_shared(path, block, c, h)
+
+
+def _check_shared(path: str, block: Any, c: dict[str, Any], h: int) -> None:
+    """The shared expert the patch computes itself (the ``shared_expert`` entry's reference): the
+    family's MLP with plain bias-free nn.Linear projections, and a bias-free nn.Linear gate hidden -> 1.
+    A wrapped projection (a PEFT LoRA layer) is refused: the patch reads the weights, not the module's
+    output, so an adapter there would silently not apply."""
+    se = getattr(block, "shared_expert", None)
+    _check_module(f"{path}.shared_expert", se, c["mlp"], "MoE shared expert")
+    gate = getattr(block, "shared_expert_gate", None)
+    for name, lin in (("shared_expert.gate_proj", getattr(se, "gate_proj", None)),
+                      ("shared_expert.up_proj", getattr(se, "up_proj", None)),
+                      ("shared_expert.down_proj", getattr(se, "down_proj", None)), ("shared_expert_gate", gate)):
+        if type(lin) is not torch.nn.Linear or lin.bias is not None:
+            what = type(lin).__name__ if type(lin) is not torch.nn.Linear else "nn.Linear with a bias"
+            raise UnsupportedModel(
+                f"{path}.{name} is a {what}; the shared_expert entry's shared expert is computed from plain "
+                "bias-free nn.Linear weights (an adapter such as PEFT's LoRA on it would not apply): leave the "
+                "shared expert's projections without adapters, or do not apply the profile"
+            )
+    inter = se.gate_proj.weight.shape[0]
+    shapes = {"gate_proj": (se.gate_proj.weight.shape, (inter, h)), "up_proj": (se.up_proj.weight.shape, (inter, h)),
+              "down_proj": (se.down_proj.weight.shape, (h, inter)), "gate": (gate.weight.shape, (1, h))}
+    odd = [f"{k} {tuple(got)} (want {want})" for k, (got, want) in shapes.items() if tuple(got) != want]
+    if odd:
+        raise UnsupportedModel(f"{path}: shared expert weights of shapes {', '.join(odd)} do not fit a hidden size of {h}")
+    act = getattr(se.config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedModel(f"{path}.shared_expert: hidden_act is {act!r}; the shared expert is silu(gate) * up")
 
 
 def replaced_message(fam: Family, replaced: list[tuple[str, str]]) -> str:
@@ -208,7 +246,7 @@ def check_decoder(d: Decoder, engine: str = "") -> None:
         _check_module(lp, layer, c["layer"], "decoder layer")
         _check_module(f"{lp}.self_attn", layer.self_attn, c["attention"], "attention")
         if d.family.moe and isinstance(layer.mlp, c["sparse"]):
-            _check_sparse(f"{lp}.mlp", layer.mlp, c)
+            _check_sparse(f"{lp}.mlp", layer.mlp, c, d.family)
             sparse.append(i)
         elif d.family.moe and not isinstance(layer.mlp, c["mlp"]):
             raise UnsupportedModel(

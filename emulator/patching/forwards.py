@@ -46,13 +46,21 @@ def mlp(point: Point, act: torch.dtype, path: str = "mlp", profile_name: str = "
     return forward
 
 
-def moe_block(point: Point, act: torch.dtype, path: str = "mlp", profile_name: str = ""):
+def moe_block(point: Point, act: torch.dtype, path: str = "mlp", profile_name: str = "",
+              shared: Point | None = None):
     """A sparse MoE block (router ``gate``, ``experts``) whose experts compute at the profile's
     ``moe`` point (``point``). The router runs as HF's module (its hooks, e.g. the recorded
     ``router_logits``, see it unchanged); its top-k weights reach the experts in FP32, computed as
     the point's ``router`` variant says, when the point keeps ``routing_weight`` FP32 or routes
     otherwise than HF (the experts op rounds them where the point says), else as the router returns
-    them (HF's FP32 weights rounded to the activation dtype)."""
+    them (HF's FP32 weights rounded to the activation dtype).
+
+    ``shared``: the profile's ``shared_expert`` point, for a block with a shared expert (Qwen2-MoE:
+    ``shared_expert``, ``shared_expert_gate``): the block returns ``m = routed + sigmoid(gate(x)) *
+    shared_expert(x)`` at that point (``functional.shared_expert`` on the routed experts' output),
+    in FP32 where the point keeps ``sum`` FP32 (the decoder layer hands it to the next residual add
+    unrounded), else in the activation dtype. The shared expert's Linear modules are not called:
+    their weights are read (families.py refuses wrapped ones)."""
     wrong_dtype = wrong_compute_dtype(path, act, profile_name)
     refuse_compile = refusal(
         f"{path}: a patched sparse MoE block computes its experts eagerly (the routed experts are found at run "
@@ -73,6 +81,11 @@ def moe_block(point: Point, act: torch.dtype, path: str = "mlp", profile_name: s
             weights, ids = route(logits, ids.shape[-1], point, renormalize=router.norm_topk_prob)
         # .to(act): FP32 master weights (mixed precision) compute with their rounded copy.
         out = F.moe(x, experts.gate_up_proj.to(act), experts.down_proj.to(act), weights, ids, point, dtype=act)
+        if shared is not None:
+            se = self.shared_expert
+            w_gate_up = torch.cat((se.gate_proj.weight.to(act), se.up_proj.weight.to(act)))
+            out = F.shared_expert(x, w_gate_up, se.down_proj.weight.to(act), self.shared_expert_gate.weight.to(act),
+                                  out, shared, dtype=act)
         return out.reshape(shape)
 
     return forward
