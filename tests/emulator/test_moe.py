@@ -68,7 +68,6 @@ def tiny_moe(seed: int = 1, **overrides):
 def with_moe(base: str, moe: dict) -> object:
     """Shipped profile ``base`` with its moe entry replaced (``moe``: the entry's YAML mapping)."""
     data = yaml.safe_load(get_profile(base).to_yaml())
-    data["schema_version"] = 4
     data["moe"] = moe
     return profile_from_yaml(yaml.safe_dump(data), f"<{base} with a moe entry>")
 
