@@ -31,7 +31,7 @@ from engineprofiles.store import get_profile, shipped_names
 
 # The residual RMSNorm region covers both call forms.
 # One region at a time from the engine's profile, the rest the trainer's; an MoE family adds its
-# experts (moe) as one more row.
+# experts (moe) as one more row, and a family with a shared expert (Qwen2-MoE) its shared expert.
 ABLATIONS = {"rope": ("rope",), "swiglu": ("swiglu",), "rmsnorm": ("add_rmsnorm", "rmsnorm")}
 
 
@@ -285,8 +285,10 @@ def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_to
     return load_capture(out)
 
 
-# An MoE model's experts (config fields), reported beside its size.
+# An MoE model's experts (config fields), reported beside its size; a shared expert's width where the
+# family has one (Qwen2-MoE).
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+SHARED_EXPERT_FIELDS = ("shared_expert_intermediate_size",)
 
 
 def model_fields(model: Any) -> dict[str, Any]:
@@ -295,6 +297,7 @@ def model_fields(model: Any) -> dict[str, Any]:
     out: dict[str, Any] = {k: getattr(model.config, k) for k in SIZE_FIELDS}
     if getattr(model.config, "num_experts", None):
         out.update({k: getattr(model.config, k) for k in MOE_FIELDS})
+        out.update({k: getattr(model.config, k) for k in SHARED_EXPERT_FIELDS if hasattr(model.config, k)})
     rope = dict(getattr(model.config, "rope_parameters", None) or {})
     if rope.get("rope_type", "default") != "default":
         out["rope_parameters"] = rope
@@ -410,6 +413,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                                    prompts=prompts, max_tokens=max_tokens, seed=seed, env=env, workdir=workdir,
                                    note=note, mode=mode, prompt_len=prompt_len, batch_check=batch_check,
                                    rope_scaling=rope_scaling)
+    from emulator.patching import FAMILIES as EMULATED_FAMILIES
     from emulator.patching import apply_profile
 
     eng = cap["engine"]
@@ -419,7 +423,8 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     report = Report(engine=eng, family=family, profile_name=prof_name, trainer_profile_name=tname, warnings=warnings,
                     model=model_fields(model), prompt_len=len(cap["sequences"][0]["prompt"]))
     variants: list[tuple[str, Profile | None, bool]] = [("as-is", None, False), ("+ engine profile", prof, False)]
-    ablations = dict(ABLATIONS, **({"moe": ("moe",)} if family in MOE_FAMILY_NAMES else {}))
+    ablations = dict(ABLATIONS, **({"moe": ("moe",)} if family in MOE_FAMILY_NAMES else {}),
+                     **({"shared_expert": ("shared_expert",)} if EMULATED_FAMILIES[family].shared_expert else {}))
     for label, regs in ablations.items():
         variants.append((f"+ {label} only", combine(trainer, prof, regs), False))
     if exact:
