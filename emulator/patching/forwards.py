@@ -277,7 +277,12 @@ def layer(point: Point, act: torch.dtype, path: str, backend: str | None = None,
         x2, residual = F.add_rmsnorm(a, residual, ln.weight.to(act), ln.variance_epsilon, point, dtype=act,
                                      backend=backend)
         m = self.mlp(x2)
-        h = m.to(residual.dtype) + residual
+        if m.dtype == torch.float32 and residual.dtype != torch.float32:
+            # A sparse block's FP32 output (shared_expert sum=fp32): h is what the next add computes
+            # from it, round(m + residual), not round(round(m) + residual).
+            h = (m + residual.float()).to(residual.dtype)
+        else:
+            h = m.to(residual.dtype) + residual
         stash.put(h, m, residual)
         return h
 

@@ -183,6 +183,42 @@ def test_hf_points_in_the_transformers_profile_change_no_bit_of_the_logits(skip_
     assert_same_bits(got.aux_loss, out.aux_loss, "aux loss")
 
 
+SHIPPED = (TRANSFORMERS_PROFILE, VLLM_PROFILE, "vllm-0.32.0-cpu-eager-bfloat16", "sglang-0.5.23-cpu-eager-bfloat16")
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_the_shipped_profiles_patch_the_sparse_blocks_at_their_points_or_are_refused(name):
+    """As probed: HF's own profile changes no logit bit; the engines' blocks are the references at
+    their profile's points (vLLM compiled: sum FP32, handed on); a profile whose shared expert could
+    not be probed (SGLang on this CPU) is refused, the model untouched."""
+    prof = get_profile(name)
+    model = tiny_q2m(seed=5)
+    ids = tiny_inputs(model, 16, batch=2, seed=6)
+    block = model.model.layers[1].mlp
+    seen = []
+    block.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+    if not prof.available("shared_expert"):
+        state = model_state(model)
+        with pytest.raises(RegionUnavailable, match="no measured shared_expert entry"):
+            emulator.apply_profile(model, prof)
+        assert_untouched(model, state)
+        return
+    with torch.no_grad():
+        out = model(ids).logits
+        with emulator.apply_profile(model, prof) as h:
+            assert h.emulated[-2:] == ("moe", "shared_expert")
+            got = model(ids).logits
+            m = block(seen[-1])
+        want, _ = block_ref(block, seen[-1].reshape(-1, 256), prof.point("moe"), prof.point("shared_expert"))
+    if prof.point("shared_expert")["sum"] == FP:
+        assert m.dtype == torch.float32 and "add_rmsnorm" in h.emulated
+    assert_same_bits(m.reshape(-1, 256), want.to(m.dtype), f"{name}: the patched block")
+    if name == TRANSFORMERS_PROFILE:
+        assert_same_bits(got, out, "HF's own profile changes no logit bit")
+    else:
+        assert not torch.equal(got, out)
+
+
 @pytest.mark.parametrize("name", ["sum-fp32", "gate-fp32"])
 def test_an_engine_point_changes_the_logits(name):
     model = tiny_q2m(seed=5)
@@ -208,8 +244,9 @@ def test_with_sum_fp32_the_next_residual_is_the_fp32_block_output_plus_the_resid
     model = tiny_q2m(seed=7)
     ids = tiny_inputs(model, 24, batch=1, seed=8)
     block = model.model.layers[0].mlp
-    seen_block, adds = [], []
+    seen_block, adds, outs = [], [], []
     block.register_forward_pre_hook(lambda mod, args: seen_block.append(args[0]))
+    model.model.layers[0].register_forward_hook(lambda mod, args, out: outs.append(out))
     real = F.add_rmsnorm
 
     def spy(x, residual, *args, **kw):
@@ -234,6 +271,8 @@ def test_with_sum_fp32_the_next_residual_is_the_fp32_block_output_plus_the_resid
     want = (m + r0.float()).to(BF)  # one rounding
     assert_same_bits(r_next.reshape(-1, 256), want, "round(fp32(m) + residual)")
     assert not torch.equal(want, (round_to(m, BF) + r0.float()).to(BF)), "rounding m first differs here"
+    # The hidden state layer 0 returns (HF's output_hidden_states) is that residual too.
+    assert_same_bits(outs[0].reshape(-1, 256), want, "layer 0's output hidden state")
     # The layer's output x (the attention's input) too: add_rmsnorm at the profile's point from FP32 m.
     ln = model.model.layers[1].input_layernorm
     out, _ = add_rmsnorm_ref(m, r0, ln.weight, ln.variance_epsilon, prof.point("add_rmsnorm"), dtype=BF)
