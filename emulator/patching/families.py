@@ -206,7 +206,8 @@ def _check_shared(path: str, block: Any, c: dict[str, Any], h: int) -> None:
               "down_proj": (se.down_proj.weight.shape, (h, inter)), "gate": (gate.weight.shape, (1, h))}
     odd = [f"{k} {tuple(got)} (want {want})" for k, (got, want) in shapes.items() if tuple(got) != want]
     if odd:
-        raise UnsupportedModel(f"{path}: shared expert weights of shapes {', '.join(odd)} do not fit a hidden size of {h}")
+        raise UnsupportedModel(f"{path}: shared expert weights of shapes {', '.join(odd)} do not fit a hidden size "
+                               f"of {h}")
     act = getattr(se.config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise UnsupportedModel(f"{path}.shared_expert: hidden_act is {act!r}; the shared expert is silu(gate) * up")

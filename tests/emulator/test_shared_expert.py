@@ -483,3 +483,14 @@ def test_class_patch_of_the_family():
         h = emulator.handle_of(model)
         assert h is not None and h.family.name == "qwen2_moe" and h.emulated[-2:] == ("moe", "shared_expert")
     h.remove()
+
+
+def test_compiling_a_patched_qwen2_moe_model_is_refused():
+    from emulator.errors import CompileUnsupported
+
+    model = tiny_q2m(seed=5)
+    ids = tiny_inputs(model, 8, batch=1, seed=1)
+    with emulator.apply_profile(model, profile(POINTS["sum-fp32"]), skip_native=False):
+        with pytest.raises(CompileUnsupported, match="sparse MoE block"):
+            torch.compile(model)(ids)
+    torch.compiler.reset()
