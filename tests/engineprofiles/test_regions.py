@@ -303,7 +303,7 @@ def test_rope_parameters_it_does_not_reproduce_are_refused_by_name(params, match
         RopeFrequencies.from_parameters(64, dict(params, rope_theta=1e4))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "qwen2_moe"])
 def test_the_transformers_probe_builds_each_familys_own_layers(family):
     from engineprofiles.names import FAMILY_NAMES
     from engineprofiles.probe.adapters.transformers import family_classes
@@ -331,3 +331,21 @@ def test_the_transformers_probe_of_qwen3_moe_probes_a_dense_layer_and_the_expert
     # the quick probe's two cases may not tell the GEMM order apart; then it says so
     label = " ".join(f"{k}={v}" for k, v in MOE_SPEC.variant_part(want).items())
     assert got == want or label in ev.indistinguishable, (got, ev.indistinguishable)
+
+
+def test_the_transformers_probe_of_qwen2_moe_probes_its_own_experts_and_shared_expert():
+    """Qwen2-MoE's experts through its own classes (Qwen2MoeTopKRouter, Qwen2MoeExperts), with and without
+    renormalization, and its shared expert: the shipped transformers profile's points, at 100%."""
+    from engineprofiles.probe.adapters.transformers import TransformersAdapter
+    from engineprofiles.probe.harness import run_probe
+    from engineprofiles.regions import MOE_SPEC
+    from engineprofiles.store import get_profile
+
+    prof, _ = run_probe(TransformersAdapter(family="qwen2_moe"), regions=["moe", "shared_expert"])
+    shipped = get_profile("transformers-5.19.0-cpu-eager-bfloat16")
+    assert "Qwen2MoeTopKRouter" in prof.moe.evidence.path and "Qwen2MoeExperts" in prof.moe.evidence.path
+    assert any("renormalize=False" in s for s in prof.moe.evidence.shapes)
+    assert MOE_SPEC.site_part(prof.point("moe")) == MOE_SPEC.site_part(shipped.point("moe"))
+    assert prof.moe.evidence.match_rate == 1.0
+    assert prof.point("shared_expert") == shipped.point("shared_expert")
+    assert prof.shared_expert.evidence.match_rate == 1.0 and "Qwen2MoeDecoderLayer" in prof.shared_expert.evidence.path

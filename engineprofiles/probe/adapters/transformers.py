@@ -62,6 +62,11 @@ def family_classes(family: str):
         from transformers.models.qwen3_moe import modeling_qwen3_moe as m
 
         return C, m.Qwen3MoeDecoderLayer, m.Qwen3MoeRotaryEmbedding
+    if family == "qwen2_moe":
+        from transformers import Qwen2MoeConfig as C
+        from transformers.models.qwen2_moe import modeling_qwen2_moe as m
+
+        return C, m.Qwen2MoeDecoderLayer, m.Qwen2MoeRotaryEmbedding
     raise AssertionError(family)  # pragma: no cover - FAMILY_NAMES and the branches above agree
 
 
@@ -196,8 +201,11 @@ class TransformersAdapter(Adapter):
         ``from_config``/``from_pretrained`` build it (HF then picks its default experts
         implementation for the device, read back into the path). With a given model: its first
         router and experts modules (the router's gate weight swapped for the identity meanwhile)."""
-        from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+        from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
 
+        # the family's own MoE classes (Qwen2-MoE's or Qwen3-MoE's; any other family: Qwen3-MoE's)
+        MoeConfig = Qwen2MoeConfig if self.family == "qwen2_moe" else Qwen3MoeConfig
+        prefix = "Qwen2Moe" if self.family == "qwen2_moe" else "Qwen3Moe"
         given = given_router = None
         if self.model is not None:
             given = next((m for m in self.model.modules() if type(m).__name__.endswith("Experts")
@@ -210,9 +218,9 @@ class TransformersAdapter(Adapter):
             experts, router = given, given_router
             e, two_i, h = w13.shape
             if experts is None:
-                cfg = Qwen3MoeConfig(hidden_size=h, intermediate_size=two_i, moe_intermediate_size=two_i // 2,
-                                     num_experts=e, num_experts_per_tok=topk, num_hidden_layers=1, norm_topk_prob=True,
-                                     num_attention_heads=1, num_key_value_heads=1, head_dim=32, vocab_size=32)
+                cfg = MoeConfig(hidden_size=h, intermediate_size=two_i, moe_intermediate_size=two_i // 2,
+                                num_experts=e, num_experts_per_tok=topk, num_hidden_layers=1, norm_topk_prob=True,
+                                num_attention_heads=1, num_key_value_heads=1, head_dim=32, vocab_size=32)
                 model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype).to(self.device)
                 experts, router = model.model.layers[0].mlp.experts, model.model.layers[0].mlp.gate
             eye = torch.eye(e, dtype=router.weight.dtype, device=router.weight.device)
@@ -230,17 +238,19 @@ class TransformersAdapter(Adapter):
 
         if given is None:
             try:
-                probe_cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=2,
-                                           num_experts_per_tok=1, num_hidden_layers=1, num_attention_heads=1,
-                                           num_key_value_heads=1, head_dim=32, vocab_size=32)
+                probe_cfg = MoeConfig(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=2,
+                                      num_experts_per_tok=1, num_hidden_layers=1, num_attention_heads=1,
+                                      num_key_value_heads=1, head_dim=32, vocab_size=32)
                 default = f"experts_implementation {AutoModelForCausalLM.from_config(probe_cfg).config._experts_implementation}"
             except Exception as e:  # pragma: no cover - another transformers layout
-                return Unavailable(f"cannot build a Qwen3-MoE model here ({e})")
+                return Unavailable(f"cannot build a {prefix} model here ({e})")
         else:
             default = f"experts_implementation {getattr(given.config, '_experts_implementation', None)}"
-        owner = type(given).__name__ if given is not None else "Qwen3MoeExperts"
-        return RegionImpl(moe, f"transformers Qwen3MoeTopKRouter.forward (identity gate), then {owner}.forward ({default})",
-                          [f"model family qwen3_moe, {torch.get_num_threads()} threads"])
+        owner = type(given).__name__ if given is not None else f"{prefix}Experts"
+        router_name = type(given_router).__name__ if given_router is not None else f"{prefix}TopKRouter"
+        return RegionImpl(moe, f"transformers {router_name}.forward (identity gate), then {owner}.forward ({default})",
+                          [f"model family {self.family if self.family in MOE_FAMILY_NAMES else 'qwen3_moe'}, "
+                           f"{torch.get_num_threads()} threads"])
 
     def shared_expert(self) -> RegionImpl | Unavailable:
         """Qwen2-MoE's shared expert as HF runs it: a ``Qwen2MoeDecoderLayer`` (built as
