@@ -318,13 +318,29 @@ class VllmAdapter(Adapter):
                                             distributed_init_method=f"file://{path}", backend="gloo")
         ps.ensure_model_parallel_initialized(1, 1)
 
+    def _moe_block_in_graph(self) -> bool | None:
+        """Whether the engine's MoE layer runs its forward (router, shared expert, sum) as Python that
+        the compiled model traces, or as an opaque custom op: the engine's own choice for this platform
+        (``MoERunner._select_forward``: a function, or a ``torch.ops.vllm`` op). None: not found."""
+        try:
+            import types
+
+            from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+        except ImportError:  # pragma: no cover - another vLLM layout
+            return None
+        entry = MoERunner._select_forward(types.SimpleNamespace(_shared_experts=object()))
+        return not isinstance(entry, torch._ops.OpOverloadPacket)
+
     def shared_expert(self) -> RegionImpl | Unavailable:
         """Qwen2-MoE's shared expert as vLLM runs it: its own ``Qwen2MoeMLP`` with the
         ``shared_expert_gate`` (``ReplicatedLinear``) as ``expert_gate``, built under the engine's
-        configuration (so ``SiluAndMul`` dispatches as the engine's does) and called eagerly, as the
-        MoE block's opaque op calls it in both modes; then the block's ``shared_output +
-        fused_output`` and the next decoder layer's input RMSNorm with the residual, compiled as the
-        engine compiles the model (where that add sits in the graph) or eager."""
+        configuration (so ``SiluAndMul`` dispatches as the engine's does), then the block's
+        ``shared_output + fused_output`` and the next decoder layer's input RMSNorm with the residual.
+        In the compiled mode all of it is compiled as the engine compiles the model where the engine's
+        MoE layer is traced into the graph (its choice on CPU, read from ``MoERunner``), else the
+        shared expert runs eagerly (inside the opaque MoE op) and the sum and norm compiled; eager
+        mode runs all of it eagerly. One fresh set of layers (and compiled function) per call: the
+        CPU linear layers prepack their weights."""
         from vllm.config import set_current_vllm_config
 
         try:
@@ -334,54 +350,63 @@ class VllmAdapter(Adapter):
         except ImportError as e:  # pragma: no cover - another vLLM layout
             return Unavailable(f"vLLM's Qwen2-MoE shared expert is not importable here ({e})")
         config, compiled = self.config, self.mode == "compiled"
-        experts: dict[tuple, Any] = {}
-        norms: dict[int, Any] = {}
+        in_graph = self._moe_block_in_graph()
+        if compiled and in_graph is None:
+            return Unavailable("cannot tell whether vLLM's MoE layer is traced into the compiled graph here "
+                               "(MoERunner._select_forward not found)")
+        dtype = self.dtype
 
-        class _Sum(torch.nn.Module):
-            def __init__(self, norm: torch.nn.Module):
+        class _Block(torch.nn.Module):
+            def __init__(self, mlp: torch.nn.Module | None, norm: torch.nn.Module):
                 super().__init__()
-                self.norm = norm
+                self.mlp, self.norm = mlp, norm
 
-            def forward(self, shared, routed, residual):
+            def forward(self, x, routed, residual):  # the shared expert, the block's sum, the next norm
+                shared = self.mlp(x) if self.mlp is not None else x
                 return self.norm(shared + routed, residual)[1]
 
-        def expert_for(h: int, i: int):
-            if (h, i) not in experts:
-                with set_current_vllm_config(config):
-                    self._activate()
-                    self._model_parallel()
-                    gate = ReplicatedLinear(h, 1, bias=False, quant_config=None, prefix="probe.shared_expert_gate")
-                    mlp = Qwen2MoeMLP(h, i, "silu", reduce_results=False, expert_gate=gate, prefix="probe.shared_expert")
-                experts[h, i] = mlp.to(self.dtype)
-            return experts[h, i]
-
-        def sum_for(h: int):
-            if h not in norms:
-                with set_current_vllm_config(config):
-                    layer = _Sum(RMSNorm(h, eps=1e-6, dtype=self.dtype))
-                norms[h] = self._compiled(layer, ("shared", "routed", "residual")) if compiled else layer
-            return norms[h]
-
-        def shared_expert(x, w_gate_up, w_down, w_gate, routed, residual):
+        def build(x, w_gate_up, w_down, w_gate):
             h, i = x.shape[1], w_down.shape[1]
-            mlp = expert_for(h, i)
-            with torch.no_grad(), set_current_vllm_config(config):
+            with set_current_vllm_config(config):
+                self._activate()
+                self._model_parallel()
+                gate = ReplicatedLinear(h, 1, bias=False, quant_config=None, prefix="probe.shared_expert_gate")
+                mlp = Qwen2MoeMLP(h, i, "silu", reduce_results=False, expert_gate=gate,
+                                  prefix="probe.shared_expert").to(dtype)
+                norm = RMSNorm(h, eps=1e-6, dtype=dtype)
+            with torch.no_grad():
                 for layer, w in ((mlp.gate_up_proj, w_gate_up), (mlp.down_proj, w_down), (mlp.expert_gate, w_gate)):
                     layer.weight.data = w.contiguous().clone()
                     layer.quant_method.process_weights_after_loading(layer)
+            return mlp, norm
+
+        def shared_expert(x, w_gate_up, w_down, w_gate, routed, residual):
+            mlp, norm = build(x, w_gate_up, w_down, w_gate)
+            with torch.no_grad(), set_current_vllm_config(config):
+                if not compiled:
+                    return _Block(mlp, norm)(x, routed, residual)
+                if in_graph:
+                    return self._compiled(_Block(mlp, norm), ("x", "routed", "residual"))(x, routed, residual)
                 shared = mlp(x)
-                return sum_for(h)(shared, routed, residual)
+                return self._compiled(_Block(None, norm), ("x", "routed", "residual"))(shared, routed, residual)
 
         with set_current_vllm_config(config):
             from vllm.model_executor.layers.activation import SiluAndMul
 
             fm = getattr(SiluAndMul(), "_forward_method", None)
         act = getattr(fm, "__qualname__", "SiluAndMul")
-        how = "compiled as the engine compiles the model: torch.compile, inductor, no guards" if compiled else "eager"
+        if not compiled:
+            how = "all eager"
+        elif in_graph:
+            how = ("all compiled as the engine compiles the model (torch.compile, inductor, no guards): on this "
+                   "platform vLLM's MoE layer is traced into the graph (MoERunner._select_forward)")
+        else:
+            how = ("the shared expert eager (inside the opaque MoE op), the sum and norm compiled as the engine "
+                   "compiles the model")
         return RegionImpl(
             shared_expert,
-            f"vllm Qwen2MoeMLP with its expert_gate ({act}, eager as in the MoE block's opaque op), then "
-            f"shared_output + fused_output into RMSNorm with the residual ({how})",
+            f"vllm Qwen2MoeMLP with its expert_gate ({act}), then shared_output + fused_output into RMSNorm "
+            f"with the residual ({how})",
             ["called outside the engine with vLLM's own layers (tensor parallel size 1, gloo), "
              f"{torch.get_num_threads()} threads"],
         )
