@@ -5,8 +5,8 @@
 # regenerate docs/mismatch.md.
 # Then the batch checks (--batch-check: the engine against itself in other batch compositions), short
 # and long prompts, vLLM with and without split-KV attention, SGLang: docs/data/batch-*.json.
-# The MoE family (qwen3_moe: vLLM's fused-MoE experts, SGLang's native MoE) on the tiny model and a
-# wider one.
+# The MoE families (qwen3_moe: vLLM's fused-MoE experts, SGLang's native MoE, on the tiny model and a
+# wider one; qwen2_moe: its shared expert, vLLM on the tiny model).
 # Takes ~25 minutes on a 2-core CPU (each run starts the engine). --wide-only: only the wider models;
 # --batch-only: only the batch checks; --moe-only: only the MoE runs.
 set -euo pipefail
@@ -52,6 +52,10 @@ moe_all() {
   VLLM_CPU_ATTN_SPLIT_KV=0 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run qwen3_moe-wide-nosplit --family qwen3_moe "${WIDE[@]}" \
     --heads 8 --kv-heads 2 --head-dim 128
   sglang_run qwen3_moe --family qwen3_moe
+  # Qwen2-MoE: a shared expert beside the routed ones, top-k weights not renormalized. (SGLang 0.5.23 cannot
+  # run it on a CPU without AMX: its block gates the shared expert with a Triton GPU kernel.)
+  run qwen2_moe --family qwen2_moe
+  run qwen2_moe-eager --family qwen2_moe --mode eager
 }
 if [[ "${1:-}" == --moe-only ]]; then
   moe_all

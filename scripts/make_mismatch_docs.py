@@ -83,7 +83,9 @@ def main() -> None:
         m = d.get("model") or {}
         mlp = (f"MLP {m.get('intermediate_size')}" if not m.get("num_experts") else
                f"{m['num_experts']} experts of width {m.get('moe_intermediate_size')}, top-{m.get('num_experts_per_tok')}"
-               + (" renormalized" if m.get("norm_topk_prob") else ""))
+               + (" renormalized" if m.get("norm_topk_prob") else "")
+               + (f", a shared expert of width {m['shared_expert_intermediate_size']}"
+                  if m.get("shared_expert_intermediate_size") else ""))
         size = (f"{m.get('num_hidden_layers')} layers, hidden {m.get('hidden_size')}, {mlp}, "
                 f"{m.get('num_attention_heads')}/{m.get('num_key_value_heads')} heads, head dim {m.get('head_dim')}"
                 if m else "the tiny default")
