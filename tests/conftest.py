@@ -86,13 +86,15 @@ def _never_replace_a_special_file(monkeypatch):
 
 
 def as_schema_version(data: dict, version: int) -> dict:
-    """A current profile's YAML data as an older schema version wrote it: version 3 has no moe entry
-    (it came with 4), version 2 no evidence scope either (it came with 3), version 1 no attention
-    entry either (it came with 2)."""
+    """A current profile's YAML data as an older schema version wrote it: version 4 has no
+    shared_expert entry (it came with 5), version 3 no moe entry either (it came with 4), version 2 no
+    evidence scope either (it came with 3), version 1 no attention entry either (it came with 2)."""
     import copy
 
     data = copy.deepcopy(data)
     data["schema_version"] = version
+    if version < 5:
+        data.pop("shared_expert", None)
     if version < 4:
         data.pop("moe", None)
     for entry in list(data.get("regions", {}).values()) + [data.get("attention") or {}]:

@@ -249,7 +249,8 @@ def test_a_version_1_profile_loads_with_attention_not_measured_and_dumps_as_the_
     p = profile_from_yaml(yaml.safe_dump(data), "v1.yaml")
     from engineprofiles.schema import SCHEMA_VERSION
 
-    assert p.schema_version == SCHEMA_VERSION == 4 and not p.available("attention") and not p.available("moe")
+    assert p.schema_version == SCHEMA_VERSION == 5 and not p.available("attention") and not p.available("moe")
+    assert not p.available("shared_expert")
     assert "schema version 1" in p.attention.evidence.reason
     assert profile_from_yaml(p.to_yaml()).to_yaml() == p.to_yaml()
 
