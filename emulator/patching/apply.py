@@ -92,40 +92,35 @@ def _regions(profile: Profile) -> dict[str, Point]:
     return points
 
 
-def _moe_point(profile: Profile, decoders: list[Decoder]) -> Point | None:
-    """The profile's ``moe`` point when the model has sparse MoE blocks (None when it has none: a
-    dense model is unaffected by the moe entry); refused when the profile has none measured."""
-    sparse = [f"{d.path}.layers.{i}.mlp" for d in decoders for i in d.sparse]
-    if not sparse:
+def _block_point(profile: Profile, entry: str, blocks: list[str], what: str, computes: str,
+                 version: int) -> Point | None:
+    """The profile's point for ``entry`` (beside the regions) when the model has the sparse MoE
+    ``blocks`` it concerns (None when it has none: the entry does not affect the model); refused
+    when the profile has none measured."""
+    if not blocks:
         return None
-    if not profile.available("moe"):
-        more = f" and {len(sparse) - 1} more" if len(sparse) > 1 else ""
+    if not profile.available(entry):
+        more = f" and {len(blocks) - 1} more" if len(blocks) > 1 else ""
         raise RegionUnavailable(
-            f"profile {profile.canonical_name} has no measured moe entry ({profile.moe.evidence.reason}), and the "
-            f"model has sparse MoE blocks ({sparse[0]}{more}) whose experts the patch computes at the profile's moe "
-            "point; so it changes nothing: use a profile in which moe was measured (schema version 4, probed with "
-            "this version of engineprofiles)"
+            f"profile {profile.canonical_name} has no measured {entry} entry ({profile.entry(entry).evidence.reason}), "
+            f"and the model has {what} ({blocks[0]}{more}) whose {computes} the patch computes at the profile's "
+            f"{entry} point; so it changes nothing: use a profile in which {entry} was measured (schema version "
+            f"{version}, probed with this version of engineprofiles)"
         )
-    return profile.point("moe")
+    return profile.point(entry)
+
+
+def _moe_point(profile: Profile, decoders: list[Decoder]) -> Point | None:
+    """The ``moe`` point for a model with sparse MoE blocks (their routed experts)."""
+    blocks = [f"{d.path}.layers.{i}.mlp" for d in decoders for i in d.sparse]
+    return _block_point(profile, "moe", blocks, "sparse MoE blocks", "experts", 4)
 
 
 def _shared_point(profile: Profile, decoders: list[Decoder]) -> Point | None:
-    """The profile's ``shared_expert`` point when the model has sparse MoE blocks with a shared
-    expert (Qwen2-MoE; None otherwise: the entry does not affect other models); refused when the
-    profile has none measured."""
+    """The ``shared_expert`` point for a model whose sparse MoE blocks have a shared expert (Qwen2-MoE)."""
     blocks = [f"{d.path}.layers.{i}.mlp" for d in decoders if d.family.shared_expert for i in d.sparse]
-    if not blocks:
-        return None
-    if not profile.available("shared_expert"):
-        more = f" and {len(blocks) - 1} more" if len(blocks) > 1 else ""
-        raise RegionUnavailable(
-            f"profile {profile.canonical_name} has no measured shared_expert entry "
-            f"({profile.shared_expert.evidence.reason}), and the model has sparse MoE blocks with a shared expert "
-            f"({blocks[0]}{more}) whose shared expert and sum with the routed experts the patch computes at the "
-            "profile's shared_expert point; so it changes nothing: use a profile in which shared_expert was measured "
-            "(schema version 5, probed with this version of engineprofiles)"
-        )
-    return profile.point("shared_expert")
+    return _block_point(profile, "shared_expert", blocks, "sparse MoE blocks with a shared expert",
+                        "shared expert and sum with the routed experts", 5)
 
 
 def _check_exact(model: torch.nn.Module, decoders: list[Decoder], profile: Profile) -> Point:
