@@ -82,7 +82,7 @@ def _probe_mode(engine: str, execution_mode: str) -> Optional[str]:
 
 
 def skipped(profile: Profile) -> list[str]:
-    """The regions (and ``attention``, ``moe``) the profile records as not probed: left out of the check."""
+    """The regions (and the entries beside them) the profile records as not probed: left out of the check."""
     return [name for name, _, e in profile.entries()
             if e.evidence.status == "unavailable" and (e.evidence.reason or "").startswith(NOT_PROBED)]
 

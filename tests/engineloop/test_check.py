@@ -90,7 +90,7 @@ def test_the_plan_keeps_the_seed_the_quick_sweep_and_the_regions_probed(tmp_path
     data["regions"]["swiglu"] = NOT_PROBED
     data["attention"] = NOT_PROBED
     plan = chk.plan_for(load_profile(write(tmp_path, data)), "p")
-    assert (plan.seed, plan.quick, plan.regions) == (7, True, ("rope", "add_rmsnorm", "rmsnorm", "moe"))
+    assert (plan.seed, plan.quick, plan.regions) == (7, True, ("rope", "add_rmsnorm", "rmsnorm", "moe", "shared_expert"))
 
 
 @pytest.mark.parametrize("what,words", [
@@ -114,7 +114,7 @@ def test_profiles_that_cannot_be_rechecked_are_refused_with_what_to_do(tmp_path,
         data["engine"]["backend"] = "rocm"
     else:
         data["regions"] = {r: NOT_PROBED for r in data["regions"]}
-        data["attention"] = data["moe"] = NOT_PROBED
+        data["attention"] = data["moe"] = data["shared_expert"] = NOT_PROBED
     with pytest.raises(chk.CheckRefused) as e:
         chk.plan_for(profile_from_data(data), "p")
     for w in words:
