@@ -677,9 +677,10 @@ def _patched_adapter(family: Optional[str], profile: str, dt, device: str):
 
 def _in_situ(engine: str, families: list[str], output: Optional[str], seed: int, env: Optional[str],
              captures: list[str], prompts: int, print_yaml: bool, mode: str = "default", dtype: str = "bfloat16",
-             device: str = "cpu", ship: bool = False) -> None:
+             device: str = "cpu", ship: bool = False, rope_scaling: Optional[str] = None) -> None:
     """Run the engine on a tiny model of each family (or take the captures given, one per family,
-    in order) and fit one profile to all of them."""
+    in order) and fit one profile to all of them. ``rope_scaling``: the tiny models' RoPE scaling
+    (engineprofiles.models.ROPE_SCALINGS; None: default RoPE), checked against the captures'."""
     import sys
     import tempfile
     import time
@@ -720,13 +721,18 @@ def _in_situ(engine: str, families: list[str], output: Optional[str], seed: int,
             cap = caps[i] if caps else None
             if cap is not None and cap.get("family", family) != family:
                 raise EngineProfilesError(f"{captures[i]} was captured on a {cap['family']} model, not {family}")
-            model = tiny_model(family, seed=seed, **((cap or {}).get("model_size") or {})).eval()
+            if cap is not None and cap.get("rope_scaling") != rope_scaling:
+                got, want = (f"RoPE scaling {x}" if x else "default RoPE" for x in (cap.get("rope_scaling"), rope_scaling))
+                raise EngineProfilesError(f"{captures[i]} was captured on a model with {got}, not {want}")
+            model = tiny_model(family, seed=seed, rope_scaling=rope_scaling,
+                               **((cap or {}).get("model_size") or {})).eval()
             if cap is None:
                 with tempfile.TemporaryDirectory() as tmp:
                     save_model(model, Path(tmp) / "model")
                     cap = run_capture(engine, Path(tmp) / "model", Path(tmp) / "cap.pt", prompts=prompts,
                                       max_tokens=16, seed=seed, env=env, note=note,
                                       mode="eager" if mode == "eager" else "default")
+                cap["family"], cap["rope_scaling"] = family, rope_scaling
             pairs.append((family, model, cap))
         cap = pairs[0][2]
         version = cap["engine"]["version"]
@@ -769,7 +775,7 @@ def _engine_command(engine: str):
         ship: bool = typer.Option(False, "--ship", help=SHIP_HELP),
         seed: int = typer.Option(0, help="seed of the probe inputs"),
         quick: bool = typer.Option(False, help="fewer shapes (for smoke tests)"),
-        region: Optional[list[str]] = typer.Option(None, help="probe only this region (repeatable): rope, swiglu, add_rmsnorm, rmsnorm, attention or moe; the others are recorded as not probed"),
+        region: Optional[list[str]] = typer.Option(None, help="probe only this region (repeatable): rope, swiglu, add_rmsnorm, rmsnorm, attention, moe or shared_expert; the others are recorded as not probed"),
         env: Optional[str] = typer.Option(
             None, help="engine environment (venv folder, python or version) when the engine is not importable here"
         ),
@@ -786,10 +792,17 @@ def _engine_command(engine: str):
             "default qwen3 (its q/k norms exercise every site)"),
         capture: Optional[list[str]] = typer.Option(None, help="in situ: reuse capture files (one per --family, in order)"),
         prompts: int = typer.Option(4, help="in situ: number of sequences"),
+        rope_scaling: Optional[str] = typer.Option(
+            None, help="in situ: the tiny models' RoPE scaling (their rope_parameters; default: none): llama3 (Llama "
+            "3.1's: factor 8, low/high frequency factors 1/4, original context 8192) or linear (factor 3)"),
     ) -> None:
         try:
             for f in family or ["qwen3"]:
                 _check_arguments(engine, device, dtype, mode, f, region)
+            if rope_scaling is not None:
+                from engineprofiles.names import check_rope_scaling_name
+
+                check_rope_scaling_name(rope_scaling)
         except EngineProfilesError as e:
             _fail(e)
         if in_situ is None:
@@ -804,15 +817,16 @@ def _engine_command(engine: str):
                           markup=False)
         elif in_situ and (quick or region):
             _fail(EngineProfilesError("--quick and --region are op-level options; the in-situ fit covers every region"))
-        if not in_situ and (family or capture):
-            _fail(EngineProfilesError("--family and --capture are in-situ options; add --in-situ (or leave them out)"))
+        if not in_situ and (family or capture or rope_scaling):
+            _fail(EngineProfilesError("--family, --capture and --rope-scaling are in-situ options; add --in-situ (or "
+                                      "leave them out)"))
         if in_situ:
             if engine == "sglang" and mode != "default":
                 _fail(EngineProfilesError(
                     f"--in-situ runs SGLang's CPU engine in its default mode only (--mode {mode}: its "
                     "--enable-torch-compile path needs AMX on CPU); use --op-level for the compiled layers"))
             _in_situ(engine, list(family or ["qwen3"]), output, seed, env, list(capture or []), prompts, print_yaml, mode,
-                     dtype, device, ship)
+                     dtype, device, ship, rope_scaling)
             return
         _probe(engine, device, dtype, mode, output, seed, quick, region, env, print_yaml, ship=ship)
 
@@ -832,7 +846,7 @@ def _register_engines() -> None:
         ship: bool = typer.Option(False, "--ship", help=SHIP_HELP),
         seed: int = typer.Option(0, help="seed of the probe inputs"),
         quick: bool = typer.Option(False, help="fewer shapes (for smoke tests)"),
-        region: Optional[list[str]] = typer.Option(None, help="probe only this region (repeatable): rope, swiglu, add_rmsnorm, rmsnorm, attention or moe; the others are recorded as not probed"),
+        region: Optional[list[str]] = typer.Option(None, help="probe only this region (repeatable): rope, swiglu, add_rmsnorm, rmsnorm, attention, moe or shared_expert; the others are recorded as not probed"),
         family: str = typer.Option("qwen2", help=f"model family whose modules are probed: {', '.join(FAMILY_NAMES)}"),
         print_yaml: bool = typer.Option(False, "--yaml", help="also print the YAML"),
         apply: Optional[str] = typer.Option(

@@ -262,6 +262,8 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
     n_seq = sum(len(c["sequences"]) for c in caps)
     n_tok = sum(len(s["prompt"]) + len(s["completion"]) for c in caps for s in c["sequences"])
     first = caps[0]["engine"]
+    scalings = sorted({c.get("rope_scaling") for c in caps if c.get("rope_scaling")})
+    scaled = f" with {' and '.join(scalings)} RoPE scaling" if scalings else ""
     evidence = {}
     for region in REGIONS:
         spec = REGIONS[region]
@@ -272,7 +274,7 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
                         key=lambda x: -x[0])
         tied = [p.label() for m, p in others if m == total.matched]
         op = start.point(region)
-        notes = [f"in situ on tiny {_families(fams)} models: {n_seq} sequences, {n_tok} tokens, teacher-forced with "
+        notes = [f"in situ on tiny {_families(fams)} models{scaled}: {n_seq} sequences, {n_tok} tokens, teacher-forced with "
                  f"the engine's attention outputs; compared: q and k entering attention at every layer"
                  + (" and the final hidden states" if any(k.endswith("hidden") for k in fit.best.layers) else ""),
                  "match_rate and elements are of the whole model (every captured tensor) under the fitted profile: "
@@ -299,6 +301,8 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
     # the evidence belongs to the machine and torch the engine ran on, not the start's.
     settings = dict(start.engine.settings)
     settings["in_situ_family"] = fams[0] if len(fams) == 1 else fams
+    if scalings:
+        settings["in_situ_rope_scaling"] = scalings[0] if len(scalings) == 1 else scalings
     eng = first
     # What the capture's engine ran with, where it says (SGLang: the attention backend in effect, the
     # radix cache, the sgl_kernel stand-in).

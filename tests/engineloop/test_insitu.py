@@ -243,3 +243,27 @@ def test_with_points_replaces_what_it_names_and_keeps_the_rest_with_its_evidence
     assert p.point("rope") == other.point("rope") and not p.available("moe")
     assert p.point("swiglu") == prof.point("swiglu") and p.entry("swiglu").evidence == prof.entry("swiglu").evidence
     assert p.point("attention") == prof.point("attention") and p.provenance.method == "synthetic"
+
+
+def test_an_in_situ_fit_on_scaled_rope_models_says_so_and_refuses_a_capture_of_another_rope(model, planted, tmp_path):
+    """--rope-scaling for the in-situ fit: the profile records the tiny models' RoPE scaling (settings and
+    every region's note); a capture recorded with another RoPE than asked is refused, naming both."""
+    from typer.testing import CliRunner
+
+    from engineloop.cli import app
+    from engineloop.fit import in_situ_profile
+
+    target, cap = planted
+    scaled = dict(cap, rope_scaling="llama3")
+    fit = fit_profile(model, scaled, target, regions=("swiglu",), passes=1)
+    prof = in_situ_profile(fit, target, scaled, "qwen2", "probe-engine vllm --rope-scaling llama3")
+    assert prof.engine.settings["in_situ_rope_scaling"] == "llama3"
+    assert "tiny qwen2 models with llama3 RoPE scaling" in prof.entry("rope").evidence.notes[0]
+    plain = in_situ_profile(fit, target, cap, "qwen2", "probe-engine vllm")
+    assert "in_situ_rope_scaling" not in plain.engine.settings and "RoPE scaling" not in plain.entry("rope").evidence.notes[0]
+    f = tmp_path / "cap.pt"
+    torch.save(dict(cap, family="qwen2", rope_scaling=None), f)
+    r = CliRunner().invoke(app, ["vllm", "--in-situ", "--family", "qwen2", "--capture", str(f), "--rope-scaling",
+                                 "llama3", "-o", str(tmp_path)])
+    assert r.exit_code == 2 and "captured on a model with default RoPE, not RoPE scaling llama3" in r.output, r.output
+    assert not list(tmp_path.glob("*.yaml"))
