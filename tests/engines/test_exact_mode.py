@@ -28,13 +28,15 @@ from .envs import require_env
 from .envs import REPO
 VERSION = "0.32.0"
 # (family, mode, RoPE scaling of the tiny model). qwen3_moe: sparse MoE blocks, which vLLM runs in its
-# fused CPU experts kernel (the profile's moe entry). At these short positions the engines' linear-scaling
+# fused CPU experts kernel (the profile's moe entry); qwen2_moe: with a shared expert (the shared_expert
+# entry) and top-k weights not renormalized. At these short positions the engines' linear-scaling
 # convention (position / factor) and HF's (frequency / factor) give the same BF16 cos/sin; that they
 # differ is checked on the engine's own cache (test_rope_scaling_engine.py) and measured on 460-token
 # prompts in docs/mismatch.md.
 CASES = [("qwen2", "default", None), ("qwen3", "default", None), ("llama", "default", None),
          ("mistral", "default", None), ("llama", "default", "llama3"), ("llama", "default", "linear"),
-         ("qwen3", "eager", None), ("qwen3_moe", "default", None), ("qwen3_moe", "eager", None)]
+         ("qwen3", "eager", None), ("qwen3_moe", "default", None), ("qwen3_moe", "eager", None),
+         ("qwen2_moe", "default", None), ("qwen2_moe", "eager", None)]
 
 
 @pytest.mark.engine
@@ -68,4 +70,5 @@ def test_exact_mode_reproduces_the_engines_log_probs(family, mode, rope, tmp_pat
                       stacklevel=1)
     # the rows exact mode adds to, not replaces
     assert {"as-is", "+ engine profile", "+ rope only", "+ swiglu only", "+ rmsnorm only"} <= set(rows["sampled"])
-    assert ("+ moe only" in rows["sampled"]) == (family == "qwen3_moe")
+    assert ("+ moe only" in rows["sampled"]) == (family in ("qwen3_moe", "qwen2_moe"))
+    assert ("+ shared_expert only" in rows["sampled"]) == (family == "qwen2_moe")
