@@ -60,3 +60,12 @@ def interpreted_kernel(fn):
     from triton.runtime.interpreter import InterpretedFunction
 
     return InterpretedFunction(fn)
+
+
+def assert_fp32_close(got: torch.Tensor, want: torch.Tensor, what: str, rel: float = 2.0**-17) -> None:
+    """FP32 precision (a gradient, not a rounding claim): within a few FP32 ulps of the tensor's largest
+    magnitude (one BF16 ulp is 2**-8), against an FP64 ``want``."""
+    err = float((got.double() - want).abs().max())
+    scale = float(want.abs().max())
+    assert scale > 0, what
+    assert err <= rel * scale, f"{what}: max error {err:.3g} > {rel:.3g} * {scale:.3g}"

@@ -21,7 +21,7 @@ from engineprofiles.rounding import to_act
 from engineprofiles.schema import profile_from_yaml
 from engineprofiles.store import get_profile
 
-from .helpers import assert_same_bits, assert_untouched, model_state
+from .helpers import assert_fp32_close, assert_same_bits, assert_untouched, model_state
 
 TRANSFORMERS_PROFILE = "transformers-5.19.0-cpu-eager-bfloat16"
 
@@ -247,14 +247,6 @@ def _backward_inputs(seed=21):
     return x, w13, w2, w, ids, dout
 
 
-def _close(got, want, what, rel=2.0**-17):
-    """FP32 precision: within a few FP32 ulps of the tensor's largest magnitude (one BF16 ulp is 2**-8)."""
-    err = float((got.double() - want).abs().max())
-    scale = float(want.abs().max())
-    assert scale > 0, what
-    assert err <= rel * scale, f"{what}: max error {err:.3g} > {rel:.3g} * {scale:.3g}"
-
-
 def test_moe_backward_is_the_fp32_gradient_of_fp64_autograd():
     x, w13, w2, w, ids, dout = _backward_inputs()
     leaves = [t.double().requires_grad_() for t in (x, w13, w2, w)]
@@ -262,7 +254,7 @@ def test_moe_backward_is_the_fp32_gradient_of_fp64_autograd():
     got = moe_backward(x, w13, w2, w, ids, dout)
     for name, g, leaf in zip(("x", "w13", "w2", "topk_weights"), got, leaves, strict=True):
         assert g.dtype == torch.float32
-        _close(g, leaf.grad, f"d {name}")
+        assert_fp32_close(g, leaf.grad, f"d {name}")
     # The tolerance sees one BF16 rounding: d w2 from the down GEMM's input h rounded (as the forward
     # rounds it) is outside.
     inter = w13.shape[1] // 2
@@ -273,9 +265,9 @@ def test_moe_backward_is_the_fp32_gradient_of_fp64_autograd():
             gu = w13[e].float() @ x[t].float()
             h = to_act(torch.nn.functional.silu(gu[:inter]) * gu[inter:], torch.bfloat16).float()
             dw2_wrong[e] += torch.outer(w[t, j] * dout[t].float(), h)
-    _close(dw2_wrong, leaves[2].grad, "d w2 with a rounded h, at BF16 precision", rel=2.0**-6)  # the formula is right
+    assert_fp32_close(dw2_wrong, leaves[2].grad, "d w2 with a rounded h, at BF16 precision", rel=2.0**-6)  # the formula is right
     with pytest.raises(AssertionError):
-        _close(dw2_wrong, leaves[2].grad, "d w2 with a rounded h")
+        assert_fp32_close(dw2_wrong, leaves[2].grad, "d w2 with a rounded h")
 
 
 @pytest.mark.parametrize("weights", ["fp32", "bf16"])

@@ -22,7 +22,7 @@ from engineprofiles.rounding import round_to, to_act
 from engineprofiles.schema import with_points
 from engineprofiles.store import get_profile
 
-from .helpers import assert_same_bits, assert_untouched, model_state
+from .helpers import assert_fp32_close, assert_same_bits, assert_untouched, model_state
 
 BF = torch.bfloat16
 R, FP = "rounded", "fp32"
@@ -302,14 +302,6 @@ def _backward_inputs(seed=21):
     return x, wgu, wd, wg, routed, dm
 
 
-def _close(got, want, what, rel=2.0**-17):
-    """FP32 precision: within a few FP32 ulps of the tensor's largest magnitude (one BF16 ulp is 2**-8)."""
-    err = float((got.double() - want).abs().max())
-    scale = float(want.abs().max())
-    assert scale > 0, what
-    assert err <= rel * scale, f"{what}: max error {err:.3g} > {rel:.3g} * {scale:.3g}"
-
-
 def test_shared_expert_backward_is_the_fp32_gradient_of_fp64_autograd():
     x, wgu, wd, wg, routed, dm = _backward_inputs()
     leaves = [t.double().requires_grad_() for t in (x, wgu, wd, wg, routed)]
@@ -317,7 +309,7 @@ def test_shared_expert_backward_is_the_fp32_gradient_of_fp64_autograd():
     got = shared_expert_backward(x, wgu, wd, wg, dm)
     for name, g, leaf in zip(("x", "w_gate_up", "w_down", "w_gate", "routed"), got, leaves, strict=True):
         assert g.dtype == torch.float32 and g.shape == leaf.shape
-        _close(g, leaf.grad, f"d {name}")
+        assert_fp32_close(g, leaf.grad, f"d {name}")
     # The tolerance sees one BF16 rounding: d w_down from the down GEMM's input h rounded (as the forward
     # rounds it) is outside it; and d w_gate from the gate rounded (sg * (1 - sg) of the rounded sg).
     inter = wd.shape[1]
@@ -325,15 +317,15 @@ def test_shared_expert_backward_is_the_fp32_gradient_of_fp64_autograd():
     h = to_act(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:], BF).float()
     sg = torch.sigmoid(x.float() @ wg.float().T)
     dwd_wrong = (sg * dm.float()).T @ h
-    _close(dwd_wrong, leaves[2].grad, "d w_down with a rounded h, at BF16 precision", rel=2.0**-6)  # formula right
+    assert_fp32_close(dwd_wrong, leaves[2].grad, "d w_down with a rounded h, at BF16 precision", rel=2.0**-6)  # formula right
     with pytest.raises(AssertionError):
-        _close(dwd_wrong, leaves[2].grad, "d w_down with a rounded h")
+        assert_fp32_close(dwd_wrong, leaves[2].grad, "d w_down with a rounded h")
     y = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]) @ wd.float().T
     sgr = to_act(sg, BF).float()
     dwg_wrong = ((dm.float() * y).sum(-1, keepdim=True) * sgr * (1 - sgr)).T @ x.float()
-    _close(dwg_wrong, leaves[3].grad, "d w_gate with a rounded gate, at BF16 precision", rel=2.0**-6)
+    assert_fp32_close(dwg_wrong, leaves[3].grad, "d w_gate with a rounded gate, at BF16 precision", rel=2.0**-6)
     with pytest.raises(AssertionError):
-        _close(dwg_wrong, leaves[3].grad, "d w_gate with a rounded gate")
+        assert_fp32_close(dwg_wrong, leaves[3].grad, "d w_gate with a rounded gate")
 
 
 @pytest.mark.parametrize("name", ["hf", "all-fp32"])
