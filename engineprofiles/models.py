@@ -14,6 +14,9 @@ ROPE_SCALINGS: dict[str, dict[str, Any]] = {
     "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=8192),
     "linear": dict(rope_type="linear", factor=3.0),
+    # YaRN with factor 4 over an original context of a quarter of the tiny models' 40960 positions
+    # (HF checks factor == max_position_embeddings / original), the default betas and attention factor.
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=10240),
 }
 assert tuple(ROPE_SCALINGS) == ROPE_SCALING_NAMES
 
@@ -65,6 +68,9 @@ ROPE_SCALINGS: dict[str, dict[str, Any]] = {
     "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=8192),
     "linear": dict(rope_type="linear", factor=3.0),
+    # YaRN with factor 4 over an original context of a quarter of the tiny models' 40960 positions
+    # (HF checks factor == max_position_embeddings / original), the default betas and attention factor.
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=10240),
 }
 assert tuple(ROPE_SCALINGS) == ROPE_SCALING_NAMES
 

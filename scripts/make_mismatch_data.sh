@@ -72,8 +72,8 @@ if [[ "${1:-}" != --wide-only ]]; then
     run "$f" --family "$f"
     run "$f-eager" --family "$f" --mode eager
   done
-  # scaled RoPE (rope_parameters): Llama 3.1's llama3 scaling, and linear with factor 3
-  for r in llama3 linear; do
+  # scaled RoPE (rope_parameters): Llama 3.1's llama3 scaling, linear with factor 3, YaRN with factor 4
+  for r in llama3 linear yarn; do
     run "llama-$r" --family llama --rope-scaling "$r"
   done
 fi
@@ -97,6 +97,7 @@ if [[ "${1:-}" != --wide-only ]]; then
     sglang_run "$f" --family "$f"
   done
   sglang_run llama-llama3 --family llama --rope-scaling llama3
+  sglang_run llama-yarn --family llama --rope-scaling yarn
 fi
 moe_all
 batch_all

@@ -964,10 +964,11 @@ def _cases() -> list[Case]:
     add("apply-rope-scaling", AP, "a model with dynamic (NTK) RoPE scaling",
         _apply(_qwen2(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}), prof),
         Raises(UnsupportedModel, "rope_type 'dynamic' is not supported"))
-    add("apply-rope-yarn", AP, "a model with YaRN RoPE scaling (an attention scaling folded into cos/sin)",
-        _apply(_qwen2(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
-                                       "original_max_position_embeddings": 4096}), prof),
-        Raises(UnsupportedModel, "attention_scaling"))
+    add("apply-rope-longrope", AP, "a model with LongRoPE scaling (two sets of frequencies)",
+        _apply(_qwen2(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6,
+                                       "original_max_position_embeddings": 4096, "short_factor": [1.0] * 32,
+                                       "long_factor": [2.0] * 32}), prof),
+        Raises(UnsupportedModel, "rope_type 'longrope' is not supported"))
     add("apply-profile-directory", AP, "a folder as the profile", _apply(_qwen2(), _folder),
         Raises(ProfileNotFound, "is a folder"))
     add("apply-profile-binary", AP, "a binary file as the profile", _apply(_qwen2(), _file("p.yaml", BINARY)),

@@ -270,9 +270,6 @@ def check_decoder(d: Decoder, engine: str = "") -> None:
         raise UnsupportedModel(f"{p}: hidden_act is {act!r}; the SwiGLU region is silu(gate) * up (hidden_act 'silu')")
     rot = m.rotary_emb
     scaling = float(getattr(rot, "attention_scaling", 1.0))
-    if scaling != 1.0:
-        raise UnsupportedModel(f"{p}.rotary_emb: attention_scaling is {scaling}; only 1.0 is supported (a scaling "
-                               "folded into cos/sin, as YaRN's, is rounded in ways the RoPE region does not model)")
     params = dict(getattr(cfg, "rope_parameters", None) or {})
     if set(params) & {"full_attention", "sliding_attention"}:  # per-layer-type parameters (not these families)
         raise UnsupportedModel(f"{p}: per-layer-type rope_parameters are not supported")
@@ -284,10 +281,17 @@ def check_decoder(d: Decoder, engine: str = "") -> None:
             f"{p}.rotary_emb rotates {rotary_dim} of {head_dim} lanes; only full-head RoPE is supported"
         )
     try:
-        rope = RopeFrequencies.from_parameters(rotary_dim, params, theta=getattr(cfg, "rope_theta", None),
-                                               linear_scales="frequency" if engine == "transformers" else "position")
+        theta = getattr(cfg, "rope_theta", None)
+        rope = RopeFrequencies.from_parameters(rotary_dim, params, theta=theta,
+                                               linear_scales="frequency" if engine == "transformers" else "position",
+                                               attention_factor=engine != "sglang")
+        hf_scale = RopeFrequencies.from_parameters(rotary_dim, params, theta=theta).mscale
     except RopeParametersError as e:
         raise UnsupportedModel(f"{p}.rotary_emb: {e}") from None
+    if scaling != hf_scale:  # HF's cos/sin scaling (YaRN's attention factor) as its rope_parameters say
+        raise UnsupportedModel(
+            f"{p}.rotary_emb: attention_scaling is {scaling}, but its rope_parameters give {hf_scale} (only YaRN "
+            "folds a scaling into cos/sin); the model's rotary embedding does not follow its rope_parameters")
     d.rope, d.layers, d.sparse = rope, layers, sparse
     # HF's own RoPE computes the profile's engine's cos/sin when its FP32 inv_freq buffer holds their
     # frequencies and the position is not scaled (linear scaling: HF divides the frequencies, vLLM and
@@ -295,5 +299,5 @@ def check_decoder(d: Decoder, engine: str = "") -> None:
     # by rounded frequencies, which no engine does. Otherwise the model gets the emulator's RoPE
     # (cos/sin computed as that engine does) even where HF's RoPE has the profile's rounding sites.
     scales_position = rope.rope_type == "linear" and rope.linear_scales == "position"
-    d.inv_freq_exact = (not scales_position and rot.inv_freq.dtype == torch.float32
+    d.inv_freq_exact = (not scales_position and scaling == rope.mscale and rot.inv_freq.dtype == torch.float32
                         and torch.equal(rot.inv_freq.detach().cpu(), rope.inv_freq()))

@@ -55,10 +55,12 @@ def check_compile_settings() -> None:
 @torch.library.custom_op("emulator::rope_cos_sin", mutates_args=())
 def rope_cos_sin_op(positions: torch.Tensor, rotary_dim: int, theta: float, rope_type: str, factor: float,
                     low_freq_factor: float, high_freq_factor: float,
-                    original_max_position_embeddings: int, linear_scales: str) -> tuple[torch.Tensor, torch.Tensor]:
+                    original_max_position_embeddings: int, linear_scales: str, beta_fast: float, beta_slow: float,
+                    mscale: float, truncate: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """RopeFrequencies(...).cos_sin(positions); its fields as arguments (RopeFrequencies.args())."""
     cos, sin = RopeFrequencies(rotary_dim, theta, rope_type, factor, low_freq_factor, high_freq_factor,
-                               original_max_position_embeddings, linear_scales).cos_sin(positions)
+                               original_max_position_embeddings, linear_scales, beta_fast, beta_slow, mscale,
+                               truncate).cos_sin(positions)
     return owned(cos, positions), owned(sin, positions)
 
 

@@ -49,14 +49,12 @@ SPEC = RegionSpec(
 )
 
 
-# The rope_type values whose cos/sin the engines compute from the frequencies alone (no attention
-# scaling folded into cos/sin), which RopeFrequencies reproduces.
-ROPE_TYPES = ("default", "linear", "llama3")
+# The rope_type values whose FP32 cos/sin RopeFrequencies reproduces as the engines compute them.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _NOT_SUPPORTED = {
     "dynamic": "vLLM's and SGLang's 'dynamic' RoPE is a fixed NTK-scaled base over max_position_embeddings * factor "
                "positions, while HF's rescales only once a sequence outgrows the original length: they rotate by "
                "different frequencies, not the same ones rounded differently",
-    "yarn": "YaRN folds an attention scaling (mscale) into cos/sin, whose rounding the RoPE region does not model",
     "longrope": "LongRoPE switches between two sets of frequencies and folds an attention scaling into cos/sin",
 }
 
@@ -75,7 +73,11 @@ class RopeFrequencies:
     - ``linear``: angle = (position / factor) * inv_freq, the position scaled (``linear_scales``
       "position": vLLM and SGLang build their cos/sin cache so), or position * (inv_freq / factor), the
       frequency scaled ("frequency": HF transformers), which rounds otherwise unless ``factor`` is a
-      power of two.
+      power of two;
+    - ``yarn``: inv_freq blends 1/pos_freq and 1/(factor*pos_freq) by a linear ramp over the dims
+      between the correction range of ``beta_fast`` and ``beta_slow`` rotations in the original
+      context; cos and sin are multiplied by ``mscale`` (the attention factor) in FP32 (vLLM, SGLang
+      and HF compute the same FP32 operations).
 
     cos and sin of the FP32 angle, in FP32 (the cos_sin site then decides whether they are rounded)."""
 
@@ -87,6 +89,10 @@ class RopeFrequencies:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     linear_scales: str = "position"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.linear_scales not in ("position", "frequency"):
@@ -100,21 +106,29 @@ class RopeFrequencies:
 
     @classmethod
     def from_parameters(cls, rotary_dim: int, params: dict, theta: float | None = None,
-                        linear_scales: str = "position") -> "RopeFrequencies":
+                        linear_scales: str = "position", attention_factor: bool = True) -> "RopeFrequencies":
         """From a transformers ``config.rope_parameters`` dict (``rope_type``, ``rope_theta``, and the
-        scaling fields of that type); ``theta`` when the dict has no ``rope_theta``."""
+        scaling fields of that type); ``theta`` when the dict has no ``rope_theta``. ``attention_factor``:
+        YaRN's ``attention_factor`` parameter is honoured (vLLM, HF) or ignored, the attention factor then
+        computed from ``factor`` (SGLang 0.5.23, measured on its rotary cache)."""
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
         base = params.get("rope_theta", theta)
         if base is None:
             raise RopeParametersError("the RoPE parameters have no rope_theta")
         kw: dict = {}
         try:
-            if rope_type in ("linear", "llama3"):
+            if rope_type in ("linear", "llama3", "yarn"):
                 kw["factor"] = float(params["factor"])
             if rope_type == "llama3":
                 kw.update(low_freq_factor=float(params["low_freq_factor"]),
                           high_freq_factor=float(params["high_freq_factor"]),
                           original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+            if rope_type == "yarn":
+                kw.update(original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+                          beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                          truncate=bool(params.get("truncate", True)),
+                          mscale=yarn_attention_factor(kw["factor"], params if attention_factor else
+                                                       {k: v for k, v in params.items() if k != "attention_factor"}))
         except KeyError as e:
             raise RopeParametersError(f"rope_type {rope_type!r} needs rope_parameters[{e.args[0]!r}]") from None
         return cls(rotary_dim, float(base), rope_type, **kw, linear_scales=linear_scales)
@@ -125,6 +139,8 @@ class RopeFrequencies:
 
     def inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The FP32 frequencies the angle multiplies (for ``linear`` scaling the position, the unscaled ones)."""
+        if self.rope_type == "yarn":
+            return self._yarn_inv_freq(device)
         inv = self.default_inv_freq(device)
         if self.rope_type == "linear" and self.linear_scales == "frequency":
             return inv / self.factor
@@ -143,18 +159,59 @@ class RopeFrequencies:
         blended = (1 - smooth) * inv / factor + smooth * inv
         return torch.where(wavelen < orig / high, inv, torch.where(wavelen > orig / low, inv / factor, blended))
 
+    def _yarn_inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
+        # FP32 tensor arithmetic with Python-float scalars, in the engines' order; the correction range
+        # in Python floats (double).
+        d = self.rotary_dim
+        pos_freqs = self.theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d)
+        extrapolation = 1.0 / pos_freqs
+        interpolation = 1.0 / (self.factor * pos_freqs)
+
+        def dim_of(rotations: float) -> float:
+            return (d * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+                2 * math.log(self.theta))
+
+        low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
+        mask = 1 - ramp
+        return interpolation * (1 - mask) + extrapolation * mask
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """FP32 cos and sin of shape [*positions.shape, rotary_dim // 2]."""
         t = positions.float()
         if self.rope_type == "linear" and self.linear_scales == "position":
             t = t / self.factor
         freqs = t.unsqueeze(-1) * self.inv_freq(positions.device)
+        if self.rope_type == "yarn":  # the attention factor, multiplied in FP32
+            return freqs.cos() * self.mscale, freqs.sin() * self.mscale
         return freqs.cos(), freqs.sin()
 
     def args(self) -> tuple:
         """The fields as plain values (for a custom op's arguments), in declaration order."""
         return (self.rotary_dim, self.theta, self.rope_type, self.factor, self.low_freq_factor, self.high_freq_factor,
-                self.original_max_position_embeddings, self.linear_scales)
+                self.original_max_position_embeddings, self.linear_scales, self.beta_fast, self.beta_slow,
+                self.mscale, self.truncate)
+
+
+def yarn_attention_factor(factor: float, params: dict) -> float:
+    """YaRN's attention factor (mscale) for ``rope_parameters``: ``attention_factor`` when given, else
+    0.1 * m * ln(factor) + 1 (1 for factor <= 1), as a ratio of two such terms when ``mscale`` and
+    ``mscale_all_dim`` are both given (the engines' and HF's formula, in Python floats)."""
+
+    def get(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+    if m and m_all:
+        return float(get(factor, float(m)) / get(factor, float(m_all)))
+    return float(get(factor))
 
 
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float = 10000.0,

@@ -94,13 +94,15 @@ def test_the_compiled_patched_model_is_bit_equal_to_the_eager_patched_model(fami
     assert differing(want, unpatched), "the patch changes no bit here, so this test could not see it dropped"
 
 
-@pytest.mark.parametrize("scaling", ["llama3", "linear"])
+@pytest.mark.parametrize("scaling", ["llama3", "linear", "yarn"])
 def test_a_compiled_patched_model_with_scaled_rope_is_bit_equal_to_the_eager_one(scaling):
     # The patched rotary embedding's cos/sin are an opaque op under torch.compile; its arguments carry
     # the scaling (a compiled op computing default frequencies would differ at these positions).
     rope = {"llama3": dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                            high_freq_factor=4.0, original_max_position_embeddings=8192),
-            "linear": dict(rope_type="linear", rope_theta=500000.0, factor=3.0)}[scaling]
+            "linear": dict(rope_type="linear", rope_theta=500000.0, factor=3.0),
+            "yarn": dict(rope_type="yarn", rope_theta=500000.0, factor=4.0, original_max_position_embeddings=10240)
+            }[scaling]
     model = tiny_model("llama", seed=1, rope_parameters=rope)
     model.train()
     ids, mask, labels = batch(model, 12)

@@ -524,7 +524,7 @@ def test_a_profile_with_an_unavailable_region_is_refused():
 def test_a_model_the_patch_cannot_reproduce_is_refused(change):
     if change == "rope_type":
         model = tiny_model("qwen2", seed=1, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6})
-        match = "rope_type 'dynamic' is not supported .*different frequencies.*supported: default, linear, llama3"
+        match = "rope_type 'dynamic' is not supported .*different frequencies.*supported: default, linear, llama3, yarn"
     else:
         model = tiny_model("qwen2", seed=1, **({"hidden_act": "gelu"} if change == "gelu" else {}))
         match = {"attention_scaling": "attention_scaling", "replaced_mlp": r"model.layers.1.mlp is a Sequential",
@@ -575,12 +575,13 @@ def test_a_model_whose_rope_frequencies_were_rounded_gets_the_engines_fp32_frequ
             assert_same_bits(model(ids, position_ids=pos).logits, want, "FP32 frequencies restored by the patch")
 
 
-# -- scaled RoPE (rope_type llama3, linear) --------------------------------------------------------
+# -- scaled RoPE (rope_type llama3, linear, yarn) ----------------------------------------------------
 
 ROPE_SCALED = {
     "llama3": dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=8192),
     "linear": dict(rope_type="linear", rope_theta=500000.0, factor=3.0),
+    "yarn": dict(rope_type="yarn", rope_theta=500000.0, factor=4.0, original_max_position_embeddings=10240),
 }
 ENGINE_INSITU = "vllm-0.32.0-cpu-inductor-bfloat16-insitu"
 
@@ -621,7 +622,7 @@ def test_scaled_rope_patched_rotary_embedding_hands_on_the_engines_fp32_cos_sin(
     half = cos.shape[-1] // 2
     assert cos.dtype == torch.float32
     assert_same_bits(cos[..., :half], want[0], "cos") and assert_same_bits(sin[..., :half], want[1], "sin")
-    if scaling == "llama3":  # HF computes the engines' llama3 frequencies
+    if scaling in ("llama3", "yarn"):  # HF computes the engines' llama3 and YaRN cos/sin (YaRN's scaled)
         assert_same_bits(cos, hf_cos, "HF's cos") and assert_same_bits(sin, hf_sin, "HF's sin")
     else:  # HF divides the frequencies by the factor (3), the engines the position: they round apart
         assert not torch.equal(cos, hf_cos)
@@ -638,3 +639,24 @@ def test_a_llama3_model_whose_frequencies_were_rounded_gets_the_engines_fp32_lla
         with emulator.apply_profile(model, TRANSFORMERS_PROFILE) as h:
             assert h.emulated == ("rope",)
             assert_same_bits(model(ids, position_ids=pos).logits, want, "FP32 llama3 frequencies restored")
+
+
+def test_a_yarn_model_for_an_sglang_profile_scales_cos_sin_as_sglang_does():
+    """SGLang 0.5.23 ignores YaRN's attention_factor (its factor's own mscale: measured on its rotary cache,
+    tests/engines/test_rope_scaling_engine.py); the trainer follows the profile's engine, HF's own RoPE is
+    then replaced."""
+    from engineprofiles.regions import RopeFrequencies
+
+    params = dict(ROPE_SCALED["yarn"], attention_factor=1.25)
+    model = tiny_model("llama", seed=1, rope_parameters=params)
+    rot = model.model.rotary_emb
+    assert rot.attention_scaling == 1.25
+    x, pos = torch.zeros(1, dtype=torch.float32), torch.arange(0, 5000, 7).unsqueeze(0)
+    hf_cos, _ = rot(x, pos)
+    sg = RopeFrequencies.from_parameters(model.config.head_dim, params, attention_factor=False)
+    assert sg.mscale != 1.25
+    with emulator.apply_profile(model, "sglang-0.5.23-cpu-eager-bfloat16") as h:
+        assert "rope" in h.emulated
+        cos, _ = rot(x, pos)
+    assert_same_bits(cos[..., : cos.shape[-1] // 2], sg.cos_sin(pos)[0], "SGLang's cos")
+    assert not torch.equal(cos, hf_cos)

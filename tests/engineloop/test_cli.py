@@ -268,7 +268,7 @@ def test_mismatch_unknown_family_fails_before_the_run(no_run):
 
 
 def test_mismatch_unknown_rope_scaling_fails_before_the_run(no_run):
-    _refused(runner.invoke(app, ["mismatch", "--family", "llama", "--rope-scaling", "yarn"]), "unknown RoPE scaling 'yarn'")
+    _refused(runner.invoke(app, ["mismatch", "--family", "llama", "--rope-scaling", "ntk"]), "unknown RoPE scaling 'ntk'")
     assert not no_run
 
 

@@ -261,7 +261,7 @@ def test_bad_transformers_options_are_error_lines(tmp_path, monkeypatch, args, w
 @pytest.mark.parametrize("engine, args, word", [
     ("vllm", ["--op-level", "--mode", "turbo"], "turbo"), ("vllm", ["--op-level", "--device", "tpu"], "tpu"),
     ("vllm", ["--mode", "turbo"], "turbo"), ("vllm", ["--in-situ", "--family", "gpt2"], "gpt2"),
-    ("vllm", ["--in-situ", "--rope-scaling", "yarn"], "unknown RoPE scaling 'yarn'"),
+    ("vllm", ["--in-situ", "--rope-scaling", "ntk"], "unknown RoPE scaling 'ntk'"),
     ("vllm", ["--op-level", "--rope-scaling", "llama3"], "--rope-scaling are in-situ options"),
     ("sglang", ["--mode", "eager"], "eager"), ("sglang", ["--device", "tpu"], "tpu"),
 ])

@@ -95,8 +95,8 @@ def test_mismatch_on_a_scaled_rope_model_records_it_and_checks_a_capture_against
         run_mismatch("vllm", family="llama", profile=ENGINE, capture_file=str(f))
     with pytest.raises(EngineProfilesError, match="RoPE scaling llama3, not RoPE scaling linear"):
         run_mismatch("vllm", family="llama", profile=ENGINE, capture_file=str(f), rope_scaling="linear")
-    with pytest.raises(ArgumentError, match="unknown RoPE scaling 'yarn'; scalings: llama3, linear"):
-        run_mismatch("vllm", family="llama", rope_scaling="yarn")
+    with pytest.raises(ArgumentError, match="unknown RoPE scaling 'ntk'; scalings: llama3, linear, yarn"):
+        run_mismatch("vllm", family="llama", rope_scaling="ntk")
     plain = run_mismatch("vllm", family="llama", profile=ENGINE, capture_file=str(_saved(tmp_path, "llama")))
     assert "rope_parameters" not in plain.model
 

@@ -142,7 +142,7 @@ def test_cli_refuses_bad_options_before_any_engine_runs(tmp_path, monkeypatch):
     for args, words in ((["--trainer", "nonsense"], "--trainer"), (["--family", "gpt2"], "gpt2"),
                         (["--prompts", "0"], "positive"), (["sglang"], "vllm only"),
                         (["--json", str(tmp_path)], "cannot write"),
-                        (["--rope-scaling", "yarn"], "unknown RoPE scaling 'yarn'")):
+                        (["--rope-scaling", "ntk"], "unknown RoPE scaling 'ntk'")):
         r = CliRunner().invoke(app, ["localize", *args])
         assert r.exit_code == 2, (args, r.output)
         assert words in " ".join(r.output.split()), (args, r.output)

@@ -290,9 +290,9 @@ def test_linear_scaling_scales_the_position_as_engines_do_or_the_frequency_as_hf
 
 @pytest.mark.parametrize("params,match", [
     (dict(rope_type="dynamic", factor=2.0), "rope_type 'dynamic' is not supported .*different frequencies"),
-    (dict(rope_type="yarn", factor=4.0), "rope_type 'yarn' is not supported .*mscale"),
+    (dict(rope_type="yarn", factor=4.0), "rope_type 'yarn' needs rope_parameters\\['original_max_position_embeddings'\\]"),
     (dict(rope_type="longrope"), "rope_type 'longrope' is not supported"),
-    (dict(rope_type="su"), "rope_type 'su' is not supported .*supported: default, linear, llama3"),
+    (dict(rope_type="su"), "rope_type 'su' is not supported .*supported: default, linear, llama3, yarn"),
     (dict(rope_type="llama3", factor=8.0), "rope_type 'llama3' needs rope_parameters\\['low_freq_factor'\\]"),
     (dict(rope_type="linear"), "rope_type 'linear' needs rope_parameters\\['factor'\\]"),
 ])

@@ -23,7 +23,12 @@ def _vllm(cases: list[dict], out: Path) -> None:
     with set_current_vllm_config(VllmConfig()):
         for i, c in enumerate(cases):
             rot = get_rope(c["head_dim"], c["max_position"], True, dict(c["params"]), torch.float32)
-            _save(out / f"case{i}.pt", rot, rot._compute_inv_freq(rot.base))
+            _save(out / f"case{i}.pt", rot, _inv_freq(rot))
+
+
+def _inv_freq(rot) -> torch.Tensor:
+    # The engines' _compute_inv_freq takes the base, except YaRN's, which takes its scaling factor.
+    return rot._compute_inv_freq(rot.scaling_factor if "YaRN" in type(rot).__name__ else rot.base)
 
 
 def _sglang(cases: list[dict], out: Path) -> None:
@@ -34,7 +39,7 @@ def _sglang(cases: list[dict], out: Path) -> None:
         p = c["params"]
         rot = get_rope(c["head_dim"], c["head_dim"], c["max_position"], p["rope_theta"], True,
                        rope_scaling=dict(p), dtype=torch.float32)
-        _save(out / f"case{i}.pt", rot, rot._compute_inv_freq(rot.base))
+        _save(out / f"case{i}.pt", rot, _inv_freq(rot))
 
 
 def _save(path: Path, rot, inv_freq: torch.Tensor) -> None:

@@ -35,6 +35,7 @@ VERSION = "0.32.0"
 # prompts in docs/mismatch.md.
 CASES = [("qwen2", "default", None), ("qwen3", "default", None), ("llama", "default", None),
          ("mistral", "default", None), ("llama", "default", "llama3"), ("llama", "default", "linear"),
+         ("llama", "default", "yarn"),
          ("qwen3", "eager", None), ("qwen3_moe", "default", None), ("qwen3_moe", "eager", None),
          ("qwen2_moe", "default", None), ("qwen2_moe", "eager", None)]
 
