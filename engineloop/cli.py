@@ -366,7 +366,7 @@ def mismatch(
                                      "change with the batch (the engine then runs several sequences at once)"),
     rope_scaling: Optional[str] = typer.Option(
         None, help="tiny model's RoPE scaling (its rope_parameters; default: none): llama3 (Llama 3.1's: factor 8, "
-        "low/high frequency factors 1/4, original context 8192), linear (factor 3) or yarn (factor 4 over an original context of 10240)"),
+        "low/high frequency factors 1/4, original context 8192), linear (factor 3), yarn (factor 4 over an original context of 10240) or dynamic (factor 2)"),
 ) -> None:
     """Sample with the real engine on a tiny local model, recompute the log-probs in the HF trainer
     as-is, with the profile, with each region of the profile alone and (--exact) in exact mode;
@@ -479,7 +479,7 @@ def localize(
     kv_heads: Optional[int] = typer.Option(None, help="tiny model size: key/value heads (default 2)"),
     head_dim: Optional[int] = typer.Option(None, help="tiny model size: head dim (default 64)"),
     rope_scaling: Optional[str] = typer.Option(
-        None, help="tiny model's RoPE scaling (default: none): llama3, linear or yarn, as for mismatch"),
+        None, help="tiny model's RoPE scaling (default: none): llama3, linear, yarn or dynamic, as for mismatch"),
 ) -> None:
     """Run the engine and the trainer on the same tiny model and name the first tensor whose bits
     differ (residual stream, norm outputs, q/k/v, attention output, MLP output, final norm,
@@ -794,7 +794,7 @@ def _engine_command(engine: str):
         prompts: int = typer.Option(4, help="in situ: number of sequences"),
         rope_scaling: Optional[str] = typer.Option(
             None, help="in situ: the tiny models' RoPE scaling (their rope_parameters; default: none): llama3 (Llama "
-            "3.1's: factor 8, low/high frequency factors 1/4, original context 8192), linear (factor 3) or yarn (factor 4 over an original context of 10240)"),
+            "3.1's: factor 8, low/high frequency factors 1/4, original context 8192), linear (factor 3), yarn (factor 4 over an original context of 10240) or dynamic (factor 2)"),
     ) -> None:
         try:
             for f in family or ["qwen3"]:

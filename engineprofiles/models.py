@@ -17,6 +17,9 @@ ROPE_SCALINGS: dict[str, dict[str, Any]] = {
     # YaRN with factor 4 over an original context of a quarter of the tiny models' 40960 positions
     # (HF checks factor == max_position_embeddings / original), the default betas and attention factor.
     "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=10240),
+    # dynamic (NTK) with factor 2: a fixed base the engines compute each their own way (vLLM: the plain
+    # base unless max_trained_positions is given; SGLang: a scaled one)
+    "dynamic": dict(rope_type="dynamic", factor=2.0),
 }
 assert tuple(ROPE_SCALINGS) == ROPE_SCALING_NAMES
 
@@ -71,6 +74,9 @@ ROPE_SCALINGS: dict[str, dict[str, Any]] = {
     # YaRN with factor 4 over an original context of a quarter of the tiny models' 40960 positions
     # (HF checks factor == max_position_embeddings / original), the default betas and attention factor.
     "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=10240),
+    # dynamic (NTK) with factor 2: a fixed base the engines compute each their own way (vLLM: the plain
+    # base unless max_trained_positions is given; SGLang: a scaled one)
+    "dynamic": dict(rope_type="dynamic", factor=2.0),
 }
 assert tuple(ROPE_SCALINGS) == ROPE_SCALING_NAMES
 

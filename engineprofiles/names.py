@@ -21,7 +21,7 @@ FAMILY_NAMES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "qwen2_moe")
 # blocks also have a shared expert, the profile's shared_expert entry).
 MOE_FAMILY_NAMES = ("qwen3_moe", "qwen2_moe")
 # The RoPE scalings a tiny model can carry (engineprofiles.models.ROPE_SCALINGS; CLI --rope-scaling).
-ROPE_SCALING_NAMES = ("llama3", "linear", "yarn")
+ROPE_SCALING_NAMES = ("llama3", "linear", "yarn", "dynamic")
 # The execution modes each engine's adapter runs (engineprofiles/probe/adapters/).
 ENGINE_MODES = {"vllm": ("default", "compiled", "eager"), "sglang": ("default", "compiled"), "transformers": ("default",)}
 # The execution mode a profile records (engine.execution_mode) for each mode of an engine, as the

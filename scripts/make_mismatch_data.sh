@@ -72,8 +72,9 @@ if [[ "${1:-}" != --wide-only ]]; then
     run "$f" --family "$f"
     run "$f-eager" --family "$f" --mode eager
   done
-  # scaled RoPE (rope_parameters): Llama 3.1's llama3 scaling, linear with factor 3, YaRN with factor 4
-  for r in llama3 linear yarn; do
+  # scaled RoPE (rope_parameters): Llama 3.1's llama3 scaling, linear with factor 3, YaRN with factor 4,
+  # dynamic (NTK) with factor 2
+  for r in llama3 linear yarn dynamic; do
     run "llama-$r" --family llama --rope-scaling "$r"
   done
 fi
@@ -98,6 +99,7 @@ if [[ "${1:-}" != --wide-only ]]; then
   done
   sglang_run llama-llama3 --family llama --rope-scaling llama3
   sglang_run llama-yarn --family llama --rope-scaling yarn
+  sglang_run llama-dynamic --family llama --rope-scaling dynamic
 fi
 moe_all
 batch_all

@@ -963,7 +963,7 @@ def _cases() -> list[Case]:
         _apply(_with_instance_forward, prof), Raises(UnsupportedModel, "per-instance forward"))
     add("apply-rope-scaling", AP, "a model with dynamic (NTK) RoPE scaling",
         _apply(_qwen2(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}), prof),
-        Raises(UnsupportedModel, "rope_type 'dynamic' is not supported"))
+        Raises(UnsupportedModel, "rope_type 'dynamic' needs the engine whose convention it follows"))
     add("apply-rope-longrope", AP, "a model with LongRoPE scaling (two sets of frequencies)",
         _apply(_qwen2(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6,
                                        "original_max_position_embeddings": 4096, "short_factor": [1.0] * 32,

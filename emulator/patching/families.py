@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from engineprofiles.regions.rope import DYNAMIC_CONVENTIONS
 from engineprofiles.regions import (
     ADD_SPEC,
     PLAIN_SPEC,
@@ -284,8 +285,11 @@ def check_decoder(d: Decoder, engine: str = "") -> None:
         theta = getattr(cfg, "rope_theta", None)
         rope = RopeFrequencies.from_parameters(rotary_dim, params, theta=theta,
                                                linear_scales="frequency" if engine == "transformers" else "position",
-                                               attention_factor=engine != "sglang")
-        hf_scale = RopeFrequencies.from_parameters(rotary_dim, params, theta=theta).mscale
+                                               attention_factor=engine != "sglang",
+                                               dynamic=engine if engine in DYNAMIC_CONVENTIONS else None,
+                                               max_position_embeddings=getattr(cfg, "max_position_embeddings", None))
+        hf_scale = rope.mscale if rope.rope_type != "yarn" else RopeFrequencies.from_parameters(
+            rotary_dim, params, theta=theta).mscale
     except RopeParametersError as e:
         raise UnsupportedModel(f"{p}.rotary_emb: {e}") from None
     if scaling != hf_scale:  # HF's cos/sin scaling (YaRN's attention factor) as its rope_parameters say
@@ -299,5 +303,7 @@ def check_decoder(d: Decoder, engine: str = "") -> None:
     # by rounded frequencies, which no engine does. Otherwise the model gets the emulator's RoPE
     # (cos/sin computed as that engine does) even where HF's RoPE has the profile's rounding sites.
     scales_position = rope.rope_type == "linear" and rope.linear_scales == "position"
-    d.inv_freq_exact = (not scales_position and scaling == rope.mscale and rot.inv_freq.dtype == torch.float32
+    # (HF's dynamic RoPE rescales its frequencies with the sequence length, the engines' never: not HF's own.)
+    d.inv_freq_exact = (not scales_position and scaling == rope.mscale and params.get("rope_type") != "dynamic"
+                        and rot.inv_freq.dtype == torch.float32
                         and torch.equal(rot.inv_freq.detach().cpu(), rope.inv_freq()))

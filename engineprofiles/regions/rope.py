@@ -50,11 +50,15 @@ SPEC = RegionSpec(
 
 
 # The rope_type values whose FP32 cos/sin RopeFrequencies reproduces as the engines compute them.
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+# How an engine builds "dynamic" (NTK) RoPE's fixed base (RopeFrequencies.from_parameters(dynamic=...)):
+# vLLM: theta * (factor * max_position / max_trained_positions - (factor - 1)) ** (d / (d - 2)), with
+# max_trained_positions defaulting to max_position (so the base is theta unless the parameters name it);
+# SGLang: the same over max_position * factor positions (always a scaled base); HF ("transformers"):
+# theta while every position lies within the original context (it rescales with the sequence length
+# beyond it, which no fixed base reproduces: cos_sin refuses such positions).
+DYNAMIC_CONVENTIONS = ("vllm", "sglang", "transformers")
 _NOT_SUPPORTED = {
-    "dynamic": "vLLM's and SGLang's 'dynamic' RoPE is a fixed NTK-scaled base over max_position_embeddings * factor "
-               "positions, while HF's rescales only once a sequence outgrows the original length: they rotate by "
-               "different frequencies, not the same ones rounded differently",
     "longrope": "LongRoPE switches between two sets of frequencies and folds an attention scaling into cos/sin",
 }
 
@@ -106,16 +110,22 @@ class RopeFrequencies:
 
     @classmethod
     def from_parameters(cls, rotary_dim: int, params: dict, theta: float | None = None,
-                        linear_scales: str = "position", attention_factor: bool = True) -> "RopeFrequencies":
+                        linear_scales: str = "position", attention_factor: bool = True, dynamic: str | None = None,
+                        max_position_embeddings: int | None = None) -> "RopeFrequencies":
         """From a transformers ``config.rope_parameters`` dict (``rope_type``, ``rope_theta``, and the
         scaling fields of that type); ``theta`` when the dict has no ``rope_theta``. ``attention_factor``:
         YaRN's ``attention_factor`` parameter is honoured (vLLM, HF) or ignored, the attention factor then
-        computed from ``factor`` (SGLang 0.5.23, measured on its rotary cache)."""
+        computed from ``factor`` (SGLang 0.5.23, measured on its rotary cache). ``dynamic``: the engine
+        whose fixed NTK base a ``dynamic`` rope_type gets (:data:`DYNAMIC_CONVENTIONS`; None: refused,
+        as HF's own rescales with the sequence length), over ``max_position_embeddings`` (the model
+        config's): a ``default`` RoPE with that base."""
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
         base = params.get("rope_theta", theta)
         if base is None:
             raise RopeParametersError("the RoPE parameters have no rope_theta")
         kw: dict = {}
+        if rope_type == "dynamic":
+            return cls._dynamic(rotary_dim, float(base), params, dynamic, max_position_embeddings)
         try:
             if rope_type in ("linear", "llama3", "yarn"):
                 kw["factor"] = float(params["factor"])
@@ -132,6 +142,28 @@ class RopeFrequencies:
         except KeyError as e:
             raise RopeParametersError(f"rope_type {rope_type!r} needs rope_parameters[{e.args[0]!r}]") from None
         return cls(rotary_dim, float(base), rope_type, **kw, linear_scales=linear_scales)
+
+    @classmethod
+    def _dynamic(cls, rotary_dim: int, theta: float, params: dict, dynamic: str | None,
+                 max_position: int | None) -> "RopeFrequencies":
+        if dynamic not in DYNAMIC_CONVENTIONS:
+            raise RopeParametersError(
+                f"rope_type 'dynamic' needs the engine whose convention it follows ({', '.join(DYNAMIC_CONVENTIONS)}): "
+                "each computes its own base")
+        if params.get("factor") is None or max_position is None:
+            raise RopeParametersError("rope_type 'dynamic' needs rope_parameters['factor'] and the model's "
+                                      "max_position_embeddings")
+        factor, d = float(params["factor"]), rotary_dim
+        if dynamic == "transformers":
+            original = int(params.get("original_max_position_embeddings") or max_position)
+            return cls(rotary_dim, theta, "dynamic", factor, original_max_position_embeddings=original)
+        if dynamic == "vllm":
+            trained = params.get("max_trained_positions", max_position)
+            base = theta * ((factor * max_position / trained) - (factor - 1)) ** (d / (d - 2))
+        else:
+            max_len = max_position * factor
+            base = theta * ((factor * max_len / max_position) - (factor - 1)) ** (d / (d - 2))
+        return cls(rotary_dim, base)
 
     def default_inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
         d = self.rotary_dim
@@ -186,6 +218,12 @@ class RopeFrequencies:
         t = positions.float()
         if self.rope_type == "linear" and self.linear_scales == "position":
             t = t / self.factor
+        if self.rope_type == "dynamic" and positions.numel() and int(positions.max()) >= \
+                self.original_max_position_embeddings:
+            raise RopeParametersError(
+                f"HF's dynamic RoPE rescales its frequencies once a position reaches the original context "
+                f"({self.original_max_position_embeddings}); position {int(positions.max())} is beyond what the "
+                "emulator reproduces (HF's base within the original context)")
         freqs = t.unsqueeze(-1) * self.inv_freq(positions.device)
         if self.rope_type == "yarn":  # the attention factor, multiplied in FP32
             return freqs.cos() * self.mscale, freqs.sin() * self.mscale

@@ -523,8 +523,10 @@ def test_a_profile_with_an_unavailable_region_is_refused():
 @pytest.mark.parametrize("change", ["rope_type", "attention_scaling", "replaced_mlp", "gelu", "instance_forward"])
 def test_a_model_the_patch_cannot_reproduce_is_refused(change):
     if change == "rope_type":
-        model = tiny_model("qwen2", seed=1, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6})
-        match = "rope_type 'dynamic' is not supported .*different frequencies.*supported: default, linear, llama3, yarn"
+        model = tiny_model("qwen2", seed=1, rope_parameters={
+            "rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6, "original_max_position_embeddings": 4096,
+            "short_factor": [1.0] * 32, "long_factor": [2.0] * 32})
+        match = "rope_type 'longrope' is not supported .*two sets of frequencies.*supported: default, linear, llama3"
     else:
         model = tiny_model("qwen2", seed=1, **({"hidden_act": "gelu"} if change == "gelu" else {}))
         match = {"attention_scaling": "attention_scaling", "replaced_mlp": r"model.layers.1.mlp is a Sequential",
@@ -660,3 +662,29 @@ def test_a_yarn_model_for_an_sglang_profile_scales_cos_sin_as_sglang_does():
         cos, _ = rot(x, pos)
     assert_same_bits(cos[..., : cos.shape[-1] // 2], sg.cos_sin(pos)[0], "SGLang's cos")
     assert not torch.equal(cos, hf_cos)
+
+
+@pytest.mark.parametrize("profile,engine", [("vllm-0.32.0-cpu-inductor-bfloat16-insitu", "vllm"),
+                                            ("sglang-0.5.23-cpu-eager-bfloat16", "sglang")])
+def test_a_dynamic_rope_model_rotates_by_the_profile_engines_fixed_base(profile, engine):
+    from engineprofiles.regions import RopeFrequencies
+
+    params = dict(rope_type="dynamic", rope_theta=500000.0, factor=2.0)
+    model = tiny_model("llama", seed=1, rope_parameters=params)
+    rot = model.model.rotary_emb
+    x, pos = torch.zeros(1, dtype=torch.float32), torch.arange(0, 4000, 9).unsqueeze(0)
+    want = RopeFrequencies.from_parameters(model.config.head_dim, params, dynamic=engine,
+                                           max_position_embeddings=model.config.max_position_embeddings)
+    with emulator.apply_profile(model, profile, skip_native=False) as h:
+        assert "rope" in h.emulated
+        cos, sin = rot(x, pos)
+    half = cos.shape[-1] // 2
+    assert_same_bits(cos[..., :half], want.cos_sin(pos)[0], f"{engine}'s cos")
+    # HF's convention (a transformers profile): its own base within the original context, where HF's rotary
+    # embedding gives the same cos/sin; beyond it HF rescales, which the emulator refuses to guess
+    hf_cos, _ = rot(x, pos)
+    with emulator.apply_profile(model, TRANSFORMERS_PROFILE, skip_native=False) as h:
+        assert "rope" in h.emulated
+        assert_same_bits(rot(x, pos)[0], hf_cos, "HF's own cos within the original context")
+        with pytest.raises(ValueError, match="rescales its frequencies"):
+            rot(x, torch.tensor([[0, model.config.max_position_embeddings]]))

@@ -289,10 +289,10 @@ def test_linear_scaling_scales_the_position_as_engines_do_or_the_frequency_as_hf
 
 
 @pytest.mark.parametrize("params,match", [
-    (dict(rope_type="dynamic", factor=2.0), "rope_type 'dynamic' is not supported .*different frequencies"),
+    (dict(rope_type="dynamic", factor=2.0), "rope_type 'dynamic' needs the engine whose convention it follows"),
     (dict(rope_type="yarn", factor=4.0), "rope_type 'yarn' needs rope_parameters\\['original_max_position_embeddings'\\]"),
     (dict(rope_type="longrope"), "rope_type 'longrope' is not supported"),
-    (dict(rope_type="su"), "rope_type 'su' is not supported .*supported: default, linear, llama3, yarn"),
+    (dict(rope_type="su"), "rope_type 'su' is not supported .*supported: default, linear, llama3, yarn, dynamic"),
     (dict(rope_type="llama3", factor=8.0), "rope_type 'llama3' needs rope_parameters\\['low_freq_factor'\\]"),
     (dict(rope_type="linear"), "rope_type 'linear' needs rope_parameters\\['factor'\\]"),
 ])
@@ -349,3 +349,28 @@ def test_the_transformers_probe_of_qwen2_moe_probes_its_own_experts_and_shared_e
     assert prof.moe.evidence.match_rate == 1.0
     assert prof.point("shared_expert") == shipped.point("shared_expert")
     assert prof.shared_expert.evidence.match_rate == 1.0 and "Qwen2MoeDecoderLayer" in prof.shared_expert.evidence.path
+
+
+def test_dynamic_rope_is_each_engines_fixed_ntk_base():
+    """vLLM: theta unless max_trained_positions is given; SGLang: a base scaled over max_position * factor;
+    both a default RoPE with that base (checked against the engines' own caches in
+    tests/engines/test_rope_scaling_engine.py). HF ("transformers"): theta within the original context,
+    positions beyond it refused (HF rescales there)."""
+    from engineprofiles.regions import RopeFrequencies, RopeParametersError
+
+    p = dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)
+    v = RopeFrequencies.from_parameters(64, p, dynamic="vllm", max_position_embeddings=4096)
+    assert v.rope_type == "default" and v.theta == 10000.0
+    t = RopeFrequencies.from_parameters(64, dict(p, max_trained_positions=2048), dynamic="vllm",
+                                        max_position_embeddings=4096)
+    assert t.theta == 10000.0 * (2.0 * 4096 / 2048 - 1.0) ** (64 / 62)
+    sg = RopeFrequencies.from_parameters(64, p, dynamic="sglang", max_position_embeddings=4096)
+    assert sg.theta == 10000.0 * (2.0 * 8192.0 / 4096 - 1.0) ** (64 / 62)
+    pos = torch.arange(0, 3000, 11)
+    assert not torch.equal(v.cos_sin(pos)[0], sg.cos_sin(pos)[0])
+    with pytest.raises(RopeParametersError, match="max_position_embeddings"):
+        RopeFrequencies.from_parameters(64, p, dynamic="vllm")
+    hf = RopeFrequencies.from_parameters(64, p, dynamic="transformers", max_position_embeddings=4096)
+    assert torch.equal(hf.cos_sin(pos)[0], RopeFrequencies(64, 10000.0).cos_sin(pos)[0])
+    with pytest.raises(RopeParametersError, match="position 4096 is beyond"):
+        hf.cos_sin(torch.tensor([5, 4096]))

@@ -35,9 +35,13 @@ CASES = [
          head_dim=128, max_position=131072),
     dict(params=dict(rope_type="yarn", rope_theta=10000.0, factor=2.5, original_max_position_embeddings=2048,
                      beta_fast=16, beta_slow=2, attention_factor=1.25), head_dim=64, max_position=5120),
+    # dynamic (NTK): each engine's fixed base (vLLM: the plain base unless max_trained_positions is given)
+    dict(params=dict(rope_type="dynamic", rope_theta=500000.0, factor=2.0), head_dim=64, max_position=4096),
+    dict(params=dict(rope_type="dynamic", rope_theta=10000.0, factor=3.0, max_trained_positions=2048), head_dim=128,
+         max_position=4096),
 ]
 CLASSES = {"llama3": "Llama3RotaryEmbedding", "linear": "LinearScalingRotaryEmbedding", "default": "RotaryEmbedding",
-           "yarn": "YaRNScalingRotaryEmbedding"}
+           "yarn": "YaRNScalingRotaryEmbedding", "dynamic": "DynamicNTKScalingRotaryEmbedding"}
 
 
 @pytest.mark.engine
@@ -51,10 +55,12 @@ def test_the_engines_rotary_cache_is_ropefrequencies_bit_for_bit(engine, version
         got = torch.load(tmp_path / f"case{i}.pt")
         kind, what = case["params"]["rope_type"], f"{engine} {case}"
         assert got["cls"] == CLASSES[kind], what
-        f = RopeFrequencies.from_parameters(case["head_dim"], case["params"])
+        f = RopeFrequencies.from_parameters(case["head_dim"], case["params"], dynamic=engine,
+                                            max_position_embeddings=case["max_position"])
         cache = got["cache"]
         assert cache.dtype == torch.float32 and cache.shape[1] == case["head_dim"], what
-        assert torch.equal(got["inv_freq"], f.inv_freq()), what
+        if kind != "dynamic":  # (a dynamic class's _compute_inv_freq(base) is not its cache's: the cache is checked)
+            assert torch.equal(got["inv_freq"], f.inv_freq()), what
         mine = torch.cat(f.cos_sin(torch.arange(cache.shape[0])), dim=-1)
         bad = int((cache != mine).sum())
         if engine == "sglang" and "attention_factor" in case["params"]:
