@@ -90,8 +90,10 @@ def test_a_class_patch_passes_its_options_and_raises_a_refusal_where_the_model_i
     with emulator.patch_family("qwen3", "sglang-0.5.23-cpu-eager-bfloat16", skip_native=False) as patch:
         model = tiny_model("qwen3", seed=1)
         assert handle_of(model).native == () and handle_of(model).skip_native is False
-        with pytest.raises(UnsupportedModel, match="rope_type 'dynamic'"):
-            tiny_model("qwen3", seed=1, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6})
+        with pytest.raises(UnsupportedModel, match="rope_type 'longrope'"):
+            tiny_model("qwen3", seed=1, rope_parameters={
+                "rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6, "original_max_position_embeddings": 4096,
+                "short_factor": [1.0] * 32, "long_factor": [2.0] * 32})
     assert not patch.active
     assert_same_bits(logits(model, ids), patched_logits("qwen3", ids, "sglang-0.5.23-cpu-eager-bfloat16"),
                      "skip_native=False gives the same forward")
