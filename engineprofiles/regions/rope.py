@@ -81,7 +81,9 @@ class RopeFrequencies:
     - ``yarn``: inv_freq blends 1/pos_freq and 1/(factor*pos_freq) by a linear ramp over the dims
       between the correction range of ``beta_fast`` and ``beta_slow`` rotations in the original
       context; cos and sin are multiplied by ``mscale`` (the attention factor) in FP32 (vLLM, SGLang
-      and HF compute the same FP32 operations).
+      and HF compute the same FP32 operations);
+    - ``dynamic``: HF's convention, its base while positions stay within the original context (the
+      engines' conventions are ``default`` with their fixed base: :meth:`from_parameters`).
 
     cos and sin of the FP32 angle, in FP32 (the cos_sin site then decides whether they are rounded)."""
 
@@ -116,9 +118,9 @@ class RopeFrequencies:
         scaling fields of that type); ``theta`` when the dict has no ``rope_theta``. ``attention_factor``:
         YaRN's ``attention_factor`` parameter is honoured (vLLM, HF) or ignored, the attention factor then
         computed from ``factor`` (SGLang 0.5.23, measured on its rotary cache). ``dynamic``: the engine
-        whose fixed NTK base a ``dynamic`` rope_type gets (:data:`DYNAMIC_CONVENTIONS`; None: refused,
-        as HF's own rescales with the sequence length), over ``max_position_embeddings`` (the model
-        config's): a ``default`` RoPE with that base."""
+        whose convention a ``dynamic`` rope_type follows (:data:`DYNAMIC_CONVENTIONS`; None: refused, as
+        each computes its own base), over ``max_position_embeddings`` (the model config's): vLLM's and
+        SGLang's a ``default`` RoPE with their fixed base, HF's its base within the original context."""
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
         base = params.get("rope_theta", theta)
         if base is None:
