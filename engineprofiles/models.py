@@ -7,23 +7,8 @@ N(0, 0.02), Qwen2's attention biases and Qwen2-MoE's shared-expert gate N(0, 0.0
 machine. torch and transformers are imported when a model is built, not when this module is.
 
     >>> model = tiny_model("qwen3", seed=1)              # 2 layers, hidden 256, vocab 256, BF16
-    >>> wide = tiny_model("qwen2", **QWEN25_05B_WIDTHS)   # RoPE scalings (rope_parameters beside the family's rope_theta; ``tiny_model(..., rope_scaling=NAME)``,
-# CLI --rope-scaling): Llama 3.1's llama3 parameters, and linear with a factor that is not a power of
-# two, where the engines (which scale the position) and HF (which scales the frequency) round apart.
-ROPE_SCALINGS: dict[str, dict[str, Any]] = {
-    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=8192),
-    "linear": dict(rope_type="linear", factor=3.0),
-    # YaRN with factor 4 over an original context of a quarter of the tiny models' 40960 positions
-    # (HF checks factor == max_position_embeddings / original), the default betas and attention factor.
-    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=10240),
-    # dynamic (NTK) with factor 2: a fixed base the engines compute each their own way (vLLM: the plain
-    # base unless max_trained_positions is given; SGLang: a scaled one)
-    "dynamic": dict(rope_type="dynamic", factor=2.0),
-}
-assert tuple(ROPE_SCALINGS) == ROPE_SCALING_NAMES
-
-# Qwen2.5-0.5B's widths, 2 layers
+    >>> wide = tiny_model("qwen2", **QWEN25_05B_WIDTHS)   # Qwen2.5-0.5B's widths, 2 layers
+    >>> scaled = tiny_model("llama", rope_scaling="yarn")  # one of ROPE_SCALINGS (CLI --rope-scaling)
 """
 
 from __future__ import annotations
