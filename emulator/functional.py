@@ -302,7 +302,7 @@ def rmsnorm(
     point, act = _point_and_dtype(profile, "rmsnorm", op, x, dtype)
     x2, w, backend = _rows(x), weight.contiguous(), _backend_for(x.device, backend)
     with _fp32_math(x2.device):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and backend != "reference-inductor":
             y = rmsnorm_op(x2, w, float(eps), point_key(point), act, backend)
         else:
             y = RMSNormFunction.apply(x2, w, float(eps), point, act, backend)
@@ -336,7 +336,7 @@ def add_rmsnorm(
     point, act = _point_and_dtype(profile, "add_rmsnorm", op, x, dtype)
     x2, r2, w, backend = _rows(x), _rows(residual), weight.contiguous(), _backend_for(x.device, backend)
     with _fp32_math(x2.device):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and backend != "reference-inductor":
             out, res = add_rmsnorm_op(x2, r2, w, float(eps), point_key(point), act, backend)
         else:
             out, res = AddRMSNormFunction.apply(x2, r2, w, float(eps), point, act, backend)

@@ -303,3 +303,25 @@ def final_norm(point: Point, act: torch.dtype, path: str, backend: str | None = 
         return out
 
     return forward
+
+
+def compiled_stack(cls_forward: Callable[..., Any]):
+    """The decoder stack's own forward (HF's ``<Family>Model.forward``, with the patched layers and
+    norms inside), run as one torch.compile graph (Inductor, dynamic shapes): exact mode for an engine
+    that compiles its whole model with Inductor (vLLM's CPU build). The norms then trace inline (the
+    ``reference-inductor`` backend under compile) and Inductor fuses the residual adds and the norms'
+    reductions across the layers as it did in the engine's graph: which kernel re-reads the residual
+    stream's BF16 pieces and which reads a realized FP32 sum decides how many lanes a norm's sum of
+    squares runs in, and only the whole graph decides that. Linears, RoPE, SwiGLU and attention stay
+    the opaque ops of a compiled patched model. Compiled once per model and input rank; torch.compile
+    of the whole patched model by the user inlines this."""
+    compiled = torch.compile(cls_forward, dynamic=True)
+
+    def forward(self, *args, **kwargs):
+        from torch._dynamo import config as dynamo_config
+
+        # one graph per grad mode, model copy and input rank: more than Dynamo's default of 8
+        with dynamo_config.patch(cache_size_limit=1024, accumulated_cache_size_limit=4096):
+            return compiled(self, *args, **kwargs)
+
+    return forward
