@@ -330,13 +330,58 @@ def _math(backend: str) -> str:
 _COMPILED: dict[str, object] = {}
 
 
+def _normalize_cast(u: torch.Tensor, v: torch.Tensor, eps: float, rstd: str) -> torch.Tensor:
+    ve = v.pow(2).mean(-1, keepdim=True) + eps
+    if rstd == "rsqrt":
+        return u * torch.rsqrt(ve)
+    if rstd == "reciprocal_sqrt":
+        return u * (1.0 / torch.sqrt(ve))
+    return u / torch.sqrt(ve)
+
+
+def rmsnorm_traced(x, weight, eps: float, point: Point, *, math: str = "torch", dtype=None):
+    """``rmsnorm_ref`` (torch math) written as an engine writes it for Inductor: each rounding an
+    explicit cast (``.to(dtype)``, exact under Inductor's ``emulate_precision_casts``, which a patch
+    holds on), not the reference's bit arithmetic. Same values eagerly; traced, Inductor sees the
+    engine's graph (a handful of pointwise ops around the reduction), so it fuses and realizes
+    buffers as in the engine's graph. Used when a whole patched stack is compiled (exact mode)."""
+    dt = dtype if dtype is not None else x.dtype
+    xf = x.float()
+    n = _normalize_cast(xf, xf, eps, point["rstd"])
+    if point["normalized"] == ROUNDED:  # site: normalized
+        n = n.to(dt).float()
+    y = n * weight.float()
+    return y.to(dt) if point["output"] == ROUNDED else y  # site: output
+
+
+def add_rmsnorm_traced(x, residual, weight, eps: float, point: Point, *, math: str = "torch", dtype=None):
+    """``add_rmsnorm_ref`` (torch math) in the engine's idiom, as :func:`rmsnorm_traced`."""
+    dt = dtype if dtype is not None else x.dtype
+    s = x.float() + residual.float()
+    s_r = s.to(dt)
+    v = s_r.float() if point["variance_input"] == ROUNDED else s  # site: variance_input
+    u = s_r.float() if point["normalize_input"] == ROUNDED else s  # site: normalize_input
+    n = _normalize_cast(u, v, eps, point["rstd"])
+    if point["normalized"] == ROUNDED:  # site: normalized
+        n = n.to(dt).float()
+    out = (n * weight.float()).to(dt)
+    return out, (s_r if point["residual_out"] == ROUNDED else s)  # site: residual_out
+
+
+_TRACED = {"rmsnorm_ref": rmsnorm_traced, "add_rmsnorm_ref": add_rmsnorm_traced}
+
+
 def _ref(fn, backend: str):
     """The reference ``fn``, or for backend ``reference-inductor`` the same reference compiled by
     torch.compile (Inductor, dynamic shapes): its FP32 reductions (the mean of squares) then run in
     the order Inductor's generated code sums them, which is what an engine that compiles the model
-    with Inductor computes (measured in situ against vLLM's CPU build: docs/mismatch.md)."""
-    if backend != "reference-inductor" or torch.compiler.is_compiling():
+    with Inductor computes (measured in situ against vLLM's CPU build: docs/mismatch.md). While
+    torch.compile traces a whole patched stack (exact mode, see ``patching.forwards.compiled_stack``),
+    the reference in the engine's idiom inline, for Inductor to fuse with the rest of the graph."""
+    if backend != "reference-inductor":
         return fn
+    if torch.compiler.is_compiling():
+        return _TRACED[fn.__name__]
     if fn.__name__ not in _COMPILED:
         _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True, fullgraph=True)
     compiled = _COMPILED[fn.__name__]

@@ -364,7 +364,7 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], ac
     emb = getattr(d.module, "embed_tokens", None)
     if not handle.native and emb is not None:  # (with native regions compiling is refused anyway)
         if opaque.plain_embedding(emb):
-            handle._bind(f"{p}.embed_tokens", emb, fw.embedding())
+            handle._bind(f"{p}.embed_tokens", emb, fw.embedding(inline=bool(norm_backend)))
         else:
             refuse = refusal_hook(
                 f"{p}.embed_tokens is a {type(emb).__name__}, not a plain torch.nn.Embedding; compiled, its gradient "

@@ -108,12 +108,13 @@ def rotary(rope: RopeFrequencies):
     return forward
 
 
-def embedding():
-    """The token embedding (a plain nn.Embedding): itself eagerly, the opaque op when compiled."""
+def embedding(inline: bool = False):
+    """The token embedding (a plain nn.Embedding): itself eagerly, the opaque op when compiled;
+    ``inline`` (a stack compiled whole, as an engine compiles it): the gather traced, eager's gradient."""
 
     def forward(self, ids):
         if torch.compiler.is_compiling():
-            return opaque.embedding(self, ids)
+            return opaque.gather_embedding(self, ids) if inline else opaque.embedding(self, ids)
         return torch.nn.Embedding.forward(self, ids)
 
     return forward

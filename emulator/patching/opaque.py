@@ -117,6 +117,28 @@ def embedding(module: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return embedding_op(module.weight, ids, -1 if pad is None else int(pad))
 
 
+class _GatherEmbedding(torch.autograd.Function):
+    """The embedding's gather traced inline (Inductor fuses the row loads into its consumers, as an
+    engine's compiled graph does), its gradient the opaque op's (eager's, not Inductor's scatter-add)."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, padding_idx: int):
+        ctx.save_for_backward(ids)
+        ctx.num_weights, ctx.padding_idx = weight.shape[0], padding_idx
+        return torch.nn.functional.embedding(ids, weight, padding_idx if padding_idx >= 0 else None)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        return embedding_bwd_op(grad, ids, ctx.num_weights, ctx.padding_idx), None, None
+
+
+def gather_embedding(module: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``module(ids)`` with the gather inline for Inductor and eager's gradient (see _GatherEmbedding)."""
+    pad = module.padding_idx
+    return _GatherEmbedding.apply(module.weight, ids, -1 if pad is None else int(pad))
+
+
 def plain_embedding(module: Any) -> bool:
     return (type(module) is torch.nn.Embedding and module.max_norm is None and not module.sparse
             and not module.scale_grad_by_freq)
