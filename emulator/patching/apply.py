@@ -413,8 +413,9 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], ac
         pre, post = _purge_pre, _purge_post
         handle._hook(d.module.register_forward_pre_hook(pre), pre)
         handle._hook(d.module.register_forward_hook(post), post)
-    if norm_backend and not handle.native:
+    if norm_backend and not handle.native and not d.sparse:
         # An engine that compiles its whole model: the stack runs as one Inductor graph (see fw.compiled_stack).
+        # (Not with sparse MoE blocks: a patched one runs eagerly, a graph break; the norms then compile alone.)
         handle._bind(p, d.module, fw.compiled_stack(type(d.module).forward))
 
 

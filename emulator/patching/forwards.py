@@ -321,6 +321,8 @@ def compiled_stack(cls_forward: Callable[..., Any]):
     def forward(self, *args, **kwargs):
         from torch._dynamo import config as dynamo_config
 
+        if torch.compiler.is_compiling():  # the user compiles the model: the stack is in that graph already
+            return cls_forward(self, *args, **kwargs)
         # one graph per grad mode, model copy and input rank: more than Dynamo's default of 8
         with dynamo_config.patch(cache_size_limit=1024, accumulated_cache_size_limit=4096):
             return compiled(self, *args, **kwargs)
