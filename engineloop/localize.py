@@ -73,9 +73,13 @@ def _decoder_layers(model) -> list[torch.nn.Module]:
 
 
 @contextmanager
-def tracing(model) -> Iterator[dict[str, torch.Tensor]]:
+def tracing(model, modules: bool = True) -> Iterator[dict[str, torch.Tensor]]:
     """While inside, every forward of ``model`` (batch of one) records its tensors by name, as
-    [tokens, ...] tensors in the dtype the trainer computed them in."""
+    [tokens, ...] tensors in the dtype the trainer computed them in. ``modules=False``: only what
+    crosses attention's boundary and the final norm (what a compiled engine shows). A trainer whose
+    stack runs compiled (exact mode for an Inductor engine) must be observed so: each tensor a hook
+    keeps becomes an output of its graph, which Inductor then realizes, changing its fusion and the
+    bits being measured."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     import emulator.functional as F
@@ -87,7 +91,7 @@ def tracing(model) -> Iterator[dict[str, torch.Tensor]]:
     def keep(name: str, t: torch.Tensor) -> None:
         rec[name] = t.detach()[0].clone() if t.dim() >= 3 else t.detach().clone()
 
-    for i, layer in enumerate(_decoder_layers(model)):
+    for i, layer in enumerate(_decoder_layers(model) if modules else []):
         def pre_layer(mod, args, kwargs, _i=i):
             state["layer"] = _i
             keep(f"L{_i}.residual", args[0] if args else kwargs["hidden_states"])
@@ -103,6 +107,8 @@ def tracing(model) -> Iterator[dict[str, torch.Tensor]]:
         lambda mod, args, out: keep("final_norm", out[0] if isinstance(out, tuple) else out)))
 
     def record_qkv(q, k, v):  # [B, H, T, D] -> [T, H, D]
+        if not modules:  # no layer hook counts the layers: the attention calls do, in order
+            state["layer"] += 1
         i = state["layer"]
         for name, t in (("q", q), ("k", k), ("v", v)):
             rec[f"L{i}.{name}"] = t.detach()[0].transpose(0, 1).clone()
@@ -139,7 +145,7 @@ def trainer_tensors(model, seq: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The trainer's tensors of one captured sequence (prompt + completion, one forward)."""
     from .mismatch import sequence_logprobs
 
-    with tracing(model) as rec:
+    with tracing(model, modules=seq.get("modules") is not None) as rec:
         _, logprobs = sequence_logprobs(model, seq)
     return dict(rec, logprobs=logprobs)
 

@@ -88,6 +88,8 @@ run llama-wide --family llama "${WIDE[@]}" --heads 8 --kv-heads 8 --head-dim 64
 export VLLM_CPU_ATTN_SPLIT_KV=0
 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run qwen2-wide-nosplit --family qwen2 "${WIDE[@]}" --heads 4 --kv-heads 2 --head-dim 128
 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run qwen2-wide-eager-nosplit --family qwen2 --mode eager "${WIDE[@]}" --heads 4 --kv-heads 2 --head-dim 128
+PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run qwen3-wide-nosplit --family qwen3 "${WIDE[@]}" --heads 8 --kv-heads 2 --head-dim 128
+PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run llama-wide-nosplit --family llama "${WIDE[@]}" --heads 8 --kv-heads 8 --head-dim 64
 # linear RoPE scaling (factor 3) where positions are long enough (~350+) for the engines' convention (the
 # position divided) and HF's (the frequency divided) to give different BF16 cos/sin
 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run llama-linear-long-nosplit --family llama --rope-scaling linear --prompt-len 460 --max-tokens 24

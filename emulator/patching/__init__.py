@@ -64,6 +64,13 @@ checkpointing under compile, attention implementations other than sdpa/eager (no
 attention dropout, and Inductor with ``emulate_precision_casts`` turned off. After
 ``handle.remove()`` a compiled model recompiles the plain model.
 
+Exact mode for an engine that compiles its whole model with Inductor (vLLM's CPU build) runs the
+decoder stack itself as one torch.compile graph (:func:`.forwards.compiled_stack`): the norms, the
+residual adds and the embedding's gather trace inline (the gather's gradient stays eager's), so that
+Inductor fuses them, and picks each norm's reduction lanes, as it did in the engine's graph. A
+user's torch.compile of such a model traces the same stack into its own graph. Not for a model with
+sparse MoE blocks (a patched one runs eagerly): its norms compile one at a time.
+
 Layout: :mod:`.families` (what a family is), :mod:`.carry` (the residual stream between
 layers), :mod:`.forwards` (the bound forwards), :mod:`.opaque` (HF's code as opaque ops under
 torch.compile), :mod:`.guard` (what torch.compile needs, and its refusals), :mod:`.handle` (the

@@ -314,8 +314,9 @@ def compiled_stack(cls_forward: Callable[..., Any]):
     reductions across the layers as it did in the engine's graph: which kernel re-reads the residual
     stream's BF16 pieces and which reads a realized FP32 sum decides how many lanes a norm's sum of
     squares runs in, and only the whole graph decides that. Linears, RoPE, SwiGLU and attention stay
-    the opaque ops of a compiled patched model. Compiled once per model and input rank; torch.compile
-    of the whole patched model by the user inlines this."""
+    the opaque ops of a compiled patched model. Dynamic shapes: it compiles again only for another kind
+    of call (a batch or a length of 1, as in decoding; grad mode; another model copy); torch.compile of
+    the whole patched model by the user traces the stack into that graph instead."""
     compiled = torch.compile(cls_forward, dynamic=True)
 
     def forward(self, *args, **kwargs):

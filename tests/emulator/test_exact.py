@@ -251,3 +251,38 @@ def test_exact_mode_against_a_stand_in_engine_with_planted_attention(tmp_path):
     torch.save(cap2, f)
     rep2 = run_mismatch("vllm", family="qwen2", profile=ENGINE, capture_file=str(f), exact=True)
     assert dict(rep2.prefill_rows)["exact"].exact_match < 1.0
+
+
+def test_exact_mode_for_an_inductor_engine_compiles_the_stack_and_keeps_its_gradient(monkeypatch):
+    """Exact mode for vLLM's compiled CPU build runs the decoder stack as one torch.compile graph (the
+    norms inline, as the engine's graph has them). Its gradient is the one of the stack run eagerly
+    (norms compiled one at a time): the same backward formulas, summed in other orders, so equal to
+    BF16 precision, not bitwise."""
+    import emulator.patching.forwards as fw
+
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+
+    def grads(model):
+        model.zero_grad(set_to_none=True)
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    model = tiny_model("qwen2", seed=4, num_hidden_layers=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CapabilityMismatch)
+        h = emulator.apply_profile(model, ENGINE, exact=True)
+    assert "model" in h.modules  # the stack's own forward is bound: the compiled graph
+    got_logits, got = grads(model)
+    h.remove()
+    monkeypatch.setattr(fw, "compiled_stack", lambda cls_forward: (lambda self, *a, **k: cls_forward(self, *a, **k)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CapabilityMismatch)
+        h = emulator.apply_profile(model, ENGINE, exact=True)
+    want_logits, want = grads(model)
+    h.remove()
+    assert torch.isfinite(got_logits).all()
+    for name, g in want.items():
+        assert g.abs().max() > 0, name
+        err, scale = float((got[name].double() - g.double()).abs().max()), float(g.double().abs().max())
+        assert err <= 2.0**-5 * scale, f"d {name}: {err:.3g} > 2**-5 * {scale:.3g}"
