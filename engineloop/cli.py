@@ -352,7 +352,9 @@ def mismatch(
     save_capture: Optional[str] = typer.Option(None, help="keep the engine's capture in this file (for --capture)"),
     mode: str = typer.Option("default", help="the engine's execution mode: default (vLLM on CPU: compiled) or eager"),
     exact: bool = typer.Option(False, "--exact", help="add the 'exact' rows: the trainer in exact mode "
-                               "(apply_profile(..., exact=True): the profile's attention too)"),
+                               "(apply_profile(..., exact=True): the profile's attention too), re-scoring in one "
+                               "prefill; and the sampled row 'exact, decoded': the completion decoded token by token "
+                               "with a KV cache, as the engine sampled it"),
     prompt_len: int = typer.Option(12, help="length of the first prompt (the others add 1..4 tokens)"),
     layers: Optional[int] = typer.Option(None, help="tiny model size: decoder layers (default 2)"),
     hidden: Optional[int] = typer.Option(None, help="tiny model size: hidden size (default 256)"),
@@ -369,7 +371,8 @@ def mismatch(
         "low/high frequency factors 1/4, original context 8192), linear (factor 3), yarn (factor 4 over an original context of 10240) or dynamic (factor 2)"),
 ) -> None:
     """Sample with the real engine on a tiny local model, recompute the log-probs in the HF trainer
-    as-is, with the profile, with each region of the profile alone and (--exact) in exact mode;
+    as-is, with the profile, with each region of the profile alone and (--exact) in exact mode
+    (re-scored in one prefill, and the sampled tokens also decoded one at a time as the engine did);
     print the mismatch metrics (exact-match fraction first). --batch-check adds whether the engine's
     own log-probs are batch-invariant."""
     import json

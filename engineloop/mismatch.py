@@ -126,6 +126,22 @@ def sequence_logprobs(model, seq: dict[str, Any], formula: str = "log_softmax") 
     return lp[n_prompt - 1:], lp
 
 
+def decoded_logprobs(model, seq: dict[str, Any]) -> torch.Tensor:
+    """Trainer log-probs of the sampled tokens computed as the engine sampled them: the prompt in one
+    forward, then the completion one token at a time with the KV cache (each step a forward of one
+    token). An engine's decode can differ from its own prefill (other kernel shapes, e.g. a matmul of
+    one row); this is the trainer's forward of the same shapes."""
+    prompt, completion = seq["prompt"], seq["completion"]
+    out = []
+    with torch.no_grad():
+        res = model(input_ids=torch.tensor([prompt]), use_cache=True)
+        for t, tok in enumerate(completion):
+            out.append(torch.log_softmax(res.logits[0, -1].float(), -1)[tok])
+            if t + 1 < len(completion):
+                res = model(input_ids=torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
+    return torch.stack(out)
+
+
 class CaptureError(EngineProfilesError, ValueError):
     """A capture file is missing, is not one engineloop.capture wrote, or lacks what the fit needs."""
 
@@ -442,6 +458,15 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                 handle.remove()
         report.rows.append((label, mismatch(le, torch.cat(samp))))
         report.prefill_rows.append((label, mismatch(lpre, torch.cat(full))))
+    if exact:
+        # The sampled tokens re-scored as the engine produced them (decode steps), not in one prefill.
+        note("trainer: exact, decoded")
+        handle = apply_profile(model, prof, exact=True)
+        try:
+            dec = torch.cat([decoded_logprobs(model, s) for s in seqs])
+        finally:
+            handle.remove()
+        report.rows.append(("exact, decoded", mismatch(le, dec)))
     # Diagnosis: with the profile and the engine's own attention outputs (teacher forced), what is
     # left is everything outside attention: if this row is exact, attention explains the rest.
     if all(lay is not None for s in seqs for lay in s["layers"]):
@@ -477,9 +502,12 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
             why = eng.get("decode_logprobs_note")
             report.warnings.append(
                 f"the engine's own decode and prefill log-probs of the sampled tokens agree on only "
-                f"{report.engine_decode_equals_prefill:.2%} of them: no single trainer forward can match both"
-                + (" (vLLM's CPU attention splits long decode contexts across threads with VLLM_CPU_ATTN_SPLIT_KV=1; "
-                   "run the engine with VLLM_CPU_ATTN_SPLIT_KV=0 to make decode equal prefill)" if split else "")
+                f"{report.engine_decode_equals_prefill:.2%} of them: no single trainer forward can match both (a "
+                "re-score in one prefill matches the prefill; --exact also decodes the sampled tokens one at a time "
+                "as the engine did: row 'exact, decoded')"
+                + (" (vLLM's CPU attention splits long decode contexts across threads with VLLM_CPU_ATTN_SPLIT_KV=1, "
+                   "which exact mode's attention does not compute; run the engine with VLLM_CPU_ATTN_SPLIT_KV=0)"
+                   if split else "")
                 + (f" ({why})" if why else ""))
     if batch_check:
         report.batch_check = batch_invariance(cap)

@@ -113,3 +113,38 @@ def test_exact_mode_reproduces_a_wider_compiled_models_log_probs(family, heads, 
             warnings.warn(f"exact mode, wide {family}: the engine ran on {here}, the profile was probed on {there}; "
                           f"{k} exact rows {ex['exact_match']:.4f} (bit-exact only where the capability matches)",
                           stacklevel=1)
+
+
+@pytest.mark.engine
+def test_exact_mode_decoding_reproduces_the_engines_sampled_log_probs_where_its_prefill_does_not(tmp_path):
+    """At Qwen2-0.5B's widths (hidden 896, MLP 4864, 14/2 heads) vLLM's decode steps compute other bits
+    than its prefill of the same tokens even with split-KV off (measured 2026-12-05, AVX512: 65.6% of the
+    sampled tokens agree; kernels of other shapes, a matmul of one row). A trainer re-scoring in one
+    prefill then matches the prefill, not the rollout's log-probs; exact mode decoding the completion one
+    token at a time with the KV cache (row 'exact, decoded') matches the rollout's, bit for bit."""
+    require_env("vllm", VERSION)
+    out = tmp_path / "m.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "engineloop.cli", "mismatch", "vllm", "--family", "qwen2", "--exact", "--prompts", "2",
+         "--layers", "2", "--hidden", "896", "--intermediate", "4864", "--heads", "14", "--kv-heads", "2",
+         "--head-dim", "64", "--prompt-len", "24", "--max-tokens", "16", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=1200, env=dict(os.environ, VLLM_CPU_ATTN_SPLIT_KV="0"),
+    )
+    sys.stdout.write(r.stdout[-4000:])
+    assert r.returncode == 0, f"probe-engine mismatch failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
+    d = json.loads(out.read_text())
+    rows = {k: {x["trainer"]: x for x in d[k]} for k in ("sampled", "prefill")}
+    prof = get_profile(d["profile"])
+    here, there = d["engine"].get("cpu_capability"), prof.engine.settings.get("cpu_capability")
+    decoded, prefill = rows["sampled"]["exact, decoded"], rows["prefill"]["exact"]
+    if here != there:
+        warnings.warn(f"exact mode decoding: the engine ran on {here}, the profile was probed on {there}; decoded "
+                      f"row {decoded['exact_match']:.4f}, prefill row {prefill['exact_match']:.4f}", stacklevel=1)
+        return
+    assert decoded["exact_match"] == 1.0 and decoded["abs_dlogp_max"] == 0.0, decoded
+    assert prefill["exact_match"] == 1.0 and prefill["abs_dlogp_max"] == 0.0, prefill
+    if d["engine_decode_equals_prefill"] < 1.0:  # what makes the decoded row necessary here
+        assert rows["sampled"]["exact"]["exact_match"] < 1.0
+    else:
+        warnings.warn("the engine's decode equalled its prefill on this machine: the decoded row was not needed",
+                      stacklevel=1)
