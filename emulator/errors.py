@@ -59,6 +59,12 @@ class InexactEvidence(UserWarning):
     on fewer than every element): the trainer reproduces the profile's point, not the engine."""
 
 
+class StackNotCompiled(UserWarning):
+    """exact mode for an engine that compiles its whole model (vLLM's CPU build) could not compile the
+    trainer's decoder stack as one graph (e.g. gradient checkpointing); it runs eagerly with its norms
+    compiled one at a time, which on wider models does not reproduce the engine's reduction order."""
+
+
 class ResidualStreamLost(EmulatorError, RuntimeError):
     """A patched decoder layer (not the first) or the final norm got a hidden state that no patched
     layer produced, so the (MLP output, residual) pair the engine's fused add needs is unknown."""

@@ -7,6 +7,7 @@ While torch.compile traces them, the HF code around the regions runs as opaque o
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from engineprofiles.regions import FP32, Point, RopeFrequencies, route
 
 from .. import functional as F
-from ..errors import ProfileMismatch, ResidualStreamLost
+from ..errors import ProfileMismatch, ResidualStreamLost, StackNotCompiled
 from . import opaque
 from .carry import carry
 from .families import FAMILIES
@@ -308,24 +309,47 @@ def final_norm(point: Point, act: torch.dtype, path: str, backend: str | None = 
 
 def compiled_stack(cls_forward: Callable[..., Any]):
     """The decoder stack's own forward (HF's ``<Family>Model.forward``, with the patched layers and
-    norms inside), run as one torch.compile graph (Inductor, dynamic shapes): exact mode for an engine
-    that compiles its whole model with Inductor (vLLM's CPU build). The norms then trace inline (the
-    ``reference-inductor`` backend under compile) and Inductor fuses the residual adds and the norms'
-    reductions across the layers as it did in the engine's graph: which kernel re-reads the residual
-    stream's BF16 pieces and which reads a realized FP32 sum decides how many lanes a norm's sum of
-    squares runs in, and only the whole graph decides that. Linears, RoPE, SwiGLU and attention stay
-    the opaque ops of a compiled patched model. Dynamic shapes: it compiles again only for another kind
-    of call (a batch or a length of 1, as in decoding; grad mode; another model copy); torch.compile of
-    the whole patched model by the user traces the stack into that graph instead."""
-    compiled = torch.compile(cls_forward, dynamic=True)
+    norms inside), run as one torch.compile graph (Inductor, dynamic shapes, ``fullgraph``): exact mode
+    for an engine that compiles its whole model with Inductor (vLLM's CPU build). The norms then trace
+    inline (the ``reference-inductor`` backend under compile) and Inductor fuses the residual adds and
+    the norms' reductions across the layers as it did in the engine's graph: which kernel re-reads the
+    residual stream's BF16 pieces and which reads a realized FP32 sum decides how many lanes a norm's
+    sum of squares runs in, and only the whole graph decides that. Linears, RoPE, SwiGLU and attention
+    stay the opaque ops of a compiled patched model. Dynamic shapes: it compiles again only for another
+    kind of call (a batch or a length of 1, as in decoding; grad mode; another model copy); torch.compile
+    of the whole patched model by the user traces the stack into that graph instead.
+
+    Where the stack cannot be one graph (gradient checkpointing: HF's checkpoint call breaks it), it
+    runs eagerly, its norms compiled one at a time, with a :class:`~emulator.errors.StackNotCompiled`
+    warning (once per model): a graph broken in pieces would not be the engine's graph either."""
+    import weakref
+
+    compiled = torch.compile(cls_forward, dynamic=True, fullgraph=True)
+    eager: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # models whose stack did not compile
 
     def forward(self, *args, **kwargs):
         from torch._dynamo import config as dynamo_config
+        from torch._dynamo.exc import Unsupported
 
         if torch.compiler.is_compiling():  # the user compiles the model: the stack is in that graph already
             return cls_forward(self, *args, **kwargs)
-        # one graph per grad mode, model copy and input rank: more than Dynamo's default of 8
-        with dynamo_config.patch(cache_size_limit=1024, accumulated_cache_size_limit=4096):
-            return compiled(self, *args, **kwargs)
+        if self in eager:
+            return cls_forward(self, *args, **kwargs)
+        try:
+            # one graph per grad mode, model copy and kind of input: more than Dynamo's default of 8
+            with dynamo_config.patch(cache_size_limit=1024, accumulated_cache_size_limit=4096):
+                return compiled(self, *args, **kwargs)
+        except Unsupported as e:
+            eager.add(self)
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            ckpt = " (gradient checkpointing is on: HF's checkpoint call breaks the graph)" if any(
+                getattr(m, "gradient_checkpointing", False) for m in self.modules()) else ""
+            warnings.warn(
+                f"exact mode: {type(self).__name__}'s decoder stack cannot be compiled as one graph{ckpt}: {reason}. "
+                "It runs eagerly with its norms compiled one at a time, which on wider models does not reproduce "
+                "the reduction order of an engine that compiles its whole model (vLLM's CPU build); for "
+                "engine-exact log-probs, score with gradient checkpointing off or the model in eval mode.",
+                StackNotCompiled, stacklevel=2)
+            return cls_forward(self, *args, **kwargs)
 
     return forward

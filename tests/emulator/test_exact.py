@@ -286,3 +286,31 @@ def test_exact_mode_for_an_inductor_engine_compiles_the_stack_and_keeps_its_grad
         assert g.abs().max() > 0, name
         err, scale = float((got[name].double() - g.double()).abs().max()), float(g.double().abs().max())
         assert err <= 2.0**-5 * scale, f"d {name}: {err:.3g} > 2**-5 * {scale:.3g}"
+
+
+def test_exact_mode_says_when_the_stack_cannot_be_one_graph_and_still_trains():
+    """Gradient checkpointing breaks the compiled stack's graph (HF's checkpoint call): exact mode then
+    runs the stack eagerly (norms compiled one at a time) and says so once per model, not silently."""
+    from emulator.errors import StackNotCompiled
+
+    model = tiny_model("qwen2", seed=0)
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CapabilityMismatch)
+        h = emulator.apply_profile(model, ENGINE, exact=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(ids, labels=ids).loss.backward()  # one graph: no warning
+    assert not [w for w in seen if issubclass(w.category, StackNotCompiled)]
+    model.gradient_checkpointing_enable()
+    model.train()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            model(ids, labels=ids).loss.backward()
+    said = [w for w in seen if issubclass(w.category, StackNotCompiled)]
+    assert len(said) == 1 and "gradient checkpointing" in str(said[0].message), [str(w.message) for w in seen]
+    g = model.model.layers[0].self_attn.q_proj.weight.grad
+    assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
+    h.remove()
