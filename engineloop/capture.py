@@ -538,6 +538,8 @@ def capture_sglang(model_dir: str, prompts: list[list[int]], max_tokens: int, se
                     # (sglang.srt.layers.logprob_processor); a sampled token's as log(softmax(x / T)) (its
                     # sampler), unless --enable-deterministic-inference (then log_softmax).
                     logprob_formula="shifted_logsumexp",
+                    decode_logprob_formula=("log_softmax" if getattr(sa, "enable_deterministic_inference", False)
+                                            else "log_of_softmax"),
                     decode_logprobs_note="SGLang's sampler returns log(softmax(logits / T)) for sampled tokens, its "
                     "prompt log-probs are (x - max) - logsumexp(x - max); --enable-deterministic-inference makes the "
                     "sampler use log_softmax",

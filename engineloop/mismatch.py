@@ -112,6 +112,8 @@ def _shifted_logsumexp(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 LOGPROB_FORMULAS = {
     "log_softmax": lambda x, t: torch.log_softmax(x, -1).gather(-1, t[:, None])[:, 0],
     "shifted_logsumexp": _shifted_logsumexp,
+    # SGLang's sampler (temperature 1, as the capture samples): log(softmax(x)), two roundings
+    "log_of_softmax": lambda x, t: torch.log(torch.softmax(x, -1)).gather(-1, t[:, None])[:, 0],
 }
 
 
@@ -126,20 +128,23 @@ def sequence_logprobs(model, seq: dict[str, Any], formula: str = "log_softmax") 
     return lp[n_prompt - 1:], lp
 
 
-def decoded_logprobs(model, seq: dict[str, Any]) -> torch.Tensor:
+def decoded_logprobs(model, seq: dict[str, Any], formulas: tuple[str, ...] = ("log_softmax",)) -> list[torch.Tensor]:
     """Trainer log-probs of the sampled tokens computed as the engine sampled them: the prompt in one
     forward, then the completion one token at a time with the KV cache (each step a forward of one
     token). An engine's decode can differ from its own prefill (other kernel shapes, e.g. a matmul of
-    one row); this is the trainer's forward of the same shapes."""
+    one row); this is the trainer's forward of the same shapes. One tensor per formula of
+    :data:`LOGPROB_FORMULAS` (how the log-prob is taken from each step's FP32 logits)."""
     prompt, completion = seq["prompt"], seq["completion"]
-    out = []
+    out: list[list[torch.Tensor]] = [[] for _ in formulas]
     with torch.no_grad():
         res = model(input_ids=torch.tensor([prompt]), use_cache=True)
         for t, tok in enumerate(completion):
-            out.append(torch.log_softmax(res.logits[0, -1].float(), -1)[tok])
+            row = res.logits[0, -1:].float()
+            for o, f in zip(out, formulas):
+                o.append(LOGPROB_FORMULAS[f](row, torch.tensor([tok]))[0])
             if t + 1 < len(completion):
                 res = model(input_ids=torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
-    return torch.stack(out)
+    return [torch.stack(o) for o in out]
 
 
 class CaptureError(EngineProfilesError, ValueError):
@@ -460,13 +465,20 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
         report.prefill_rows.append((label, mismatch(lpre, torch.cat(full))))
     if exact:
         # The sampled tokens re-scored as the engine produced them (decode steps), not in one prefill.
+        # An engine whose sampler takes its log-probs by another formula (SGLang: log(softmax(x))) says so in
+        # its capture: that row too.
+        sampler = eng.get("decode_logprob_formula")
+        formulas = ("log_softmax",) + ((sampler,) if sampler in LOGPROB_FORMULAS and sampler != "log_softmax" else ())
         note("trainer: exact, decoded")
         handle = apply_profile(model, prof, exact=True)
         try:
-            dec = torch.cat([decoded_logprobs(model, s) for s in seqs])
+            per_seq = [decoded_logprobs(model, s, formulas) for s in seqs]
         finally:
             handle.remove()
-        report.rows.append(("exact, decoded", mismatch(le, dec)))
+        report.rows.append(("exact, decoded", mismatch(le, torch.cat([d[0] for d in per_seq]))))
+        if len(formulas) > 1:
+            report.rows.append(("exact, decoded, engine's log-prob formula",
+                                mismatch(le, torch.cat([d[1] for d in per_seq]))))
     # Diagnosis: with the profile and the engine's own attention outputs (teacher forced), what is
     # left is everything outside attention: if this row is exact, attention explains the rest.
     if all(lay is not None for s in seqs for lay in s["layers"]):

@@ -77,6 +77,11 @@ def test_sglang_engine_in_the_loop_matches_the_shipped_in_situ_profile_and_the_t
         # with log_softmax (the trainer's own) a few tokens differ by an FP32 ulp or so, never more
         assert rows["prefill"]["exact"]["abs_dlogp_max"] < 1e-6, rows["prefill"]["exact"]
         assert rows["prefill"]["as-is"]["exact_match"] < rows["prefill"]["+ engine profile"]["exact_match"]
+        # The rollout's own log-probs: the completion decoded as the engine decoded it, through its sampler's
+        # log(softmax(x)); the one-prefill re-score matches none of them (SGLang's decode is not its prefill).
+        rollout = rows["sampled"]["exact, decoded, engine's log-prob formula"]
+        assert rollout["exact_match"] == 1.0 and rollout["abs_dlogp_max"] == 0.0, rollout
+        assert rows["sampled"]["exact"]["exact_match"] < 1.0
     else:
         warnings.warn(f"SGLang ran on {here}, the shipped in-situ profile was fitted on {there}: sites compared, "
                       f"rates not (attention {new.attention.evidence.match_rate})", stacklevel=1)
