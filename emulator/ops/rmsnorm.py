@@ -29,6 +29,7 @@ import triton.language as tl
 
 from engineprofiles import portable
 from engineprofiles.regions import ROUNDED, Point, add_rmsnorm_ref, rmsnorm_ref
+from engineprofiles.regions.rmsnorm import _normalize
 
 from . import _backend, tl_portable, tl_rounding
 from ._utils import (
@@ -330,15 +331,6 @@ def _math(backend: str) -> str:
 _COMPILED: dict[str, object] = {}
 
 
-def _normalize_cast(u: torch.Tensor, v: torch.Tensor, eps: float, rstd: str) -> torch.Tensor:
-    ve = v.pow(2).mean(-1, keepdim=True) + eps
-    if rstd == "rsqrt":
-        return u * torch.rsqrt(ve)
-    if rstd == "reciprocal_sqrt":
-        return u * (1.0 / torch.sqrt(ve))
-    return u / torch.sqrt(ve)
-
-
 def rmsnorm_traced(x, weight, eps: float, point: Point, *, math: str = "torch", dtype=None):
     """``rmsnorm_ref`` (torch math) written as an engine writes it for Inductor: each rounding an
     explicit cast (``.to(dtype)``, exact under Inductor's ``emulate_precision_casts``, which a patch
@@ -347,7 +339,7 @@ def rmsnorm_traced(x, weight, eps: float, point: Point, *, math: str = "torch", 
     buffers as in the engine's graph. Used when a whole patched stack is compiled (exact mode)."""
     dt = dtype if dtype is not None else x.dtype
     xf = x.float()
-    n = _normalize_cast(xf, xf, eps, point["rstd"])
+    n = _normalize(xf, xf, eps, point["rstd"], "torch")  # the reference's own
     if point["normalized"] == ROUNDED:  # site: normalized
         n = n.to(dt).float()
     y = n * weight.float()
@@ -361,7 +353,7 @@ def add_rmsnorm_traced(x, residual, weight, eps: float, point: Point, *, math: s
     s_r = s.to(dt)
     v = s_r.float() if point["variance_input"] == ROUNDED else s  # site: variance_input
     u = s_r.float() if point["normalize_input"] == ROUNDED else s  # site: normalize_input
-    n = _normalize_cast(u, v, eps, point["rstd"])
+    n = _normalize(u, v, eps, point["rstd"], "torch")
     if point["normalized"] == ROUNDED:  # site: normalized
         n = n.to(dt).float()
     out = (n * weight.float()).to(dt)

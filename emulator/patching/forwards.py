@@ -347,8 +347,9 @@ def compiled_stack(cls_forward: Callable[..., Any]):
             warnings.warn(
                 f"exact mode: {type(self).__name__}'s decoder stack cannot be compiled as one graph{ckpt}: {reason}. "
                 "It runs eagerly with its norms compiled one at a time, which on wider models does not reproduce "
-                "the reduction order of an engine that compiles its whole model (vLLM's CPU build); for "
-                "engine-exact log-probs, score with gradient checkpointing off or the model in eval mode.",
+                "the reduction order of an engine that compiles its whole model (vLLM's CPU build)"
+                + ("; for engine-exact log-probs, score with gradient checkpointing off or the model in eval mode."
+                   if ckpt else "."),
                 StackNotCompiled, stacklevel=2)
             return cls_forward(self, *args, **kwargs)
 
