@@ -307,6 +307,22 @@ def final_norm(point: Point, act: torch.dtype, path: str, backend: str | None = 
     return forward
 
 
+def _install_output_capturing_hooks(stack: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """transformers installs its output-capturing hooks (``output_hidden_states``, ``output_attentions``)
+    lazily, on the first call that asks for them, under a ``threading.Lock`` that Dynamo cannot trace;
+    installed outside the graph, the compiled stack's first such call stays one graph (the hooks
+    themselves trace). A no-op where transformers has no such hooks or the call asks for nothing."""
+    asked = any(v for k, v in kwargs.items() if k.startswith("output_") and not isinstance(v, torch.Tensor)) or any(
+        getattr(getattr(stack, "config", None), k, False) is True for k in ("output_hidden_states", "output_attentions"))
+    if not asked or getattr(stack, "_output_capturing_hooks_installed", False):
+        return
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # a transformers without lazily installed capture hooks
+        return
+    maybe_install_capturing_hooks(stack)
+
+
 def compiled_stack(cls_forward: Callable[..., Any]):
     """The decoder stack's own forward (HF's ``<Family>Model.forward``, with the patched layers and
     norms inside), run as one torch.compile graph (Inductor, dynamic shapes, ``fullgraph``): exact mode
@@ -335,6 +351,7 @@ def compiled_stack(cls_forward: Callable[..., Any]):
             return cls_forward(self, *args, **kwargs)
         if self in eager:
             return cls_forward(self, *args, **kwargs)
+        _install_output_capturing_hooks(self, kwargs)
         try:
             # one graph per grad mode, model copy and kind of input: more than Dynamo's default of 8
             with dynamo_config.patch(cache_size_limit=1024, accumulated_cache_size_limit=4096):

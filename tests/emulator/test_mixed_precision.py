@@ -182,6 +182,10 @@ def test_fsdp2_mixed_precision_over_fp32_master_weights_gives_the_bf16_models_bi
             assert_same_bits(g["grads"][n], w.float(), f"{what}: grad of {n}")
 
 
+# Exact mode's decoder stack is one graph under autocast too (its first call asks for the hidden
+# states: transformers' lazily installed capture hooks once broke that graph): a StackNotCompiled
+# warning fails the test.
+@pytest.mark.filterwarnings("error::emulator.errors.StackNotCompiled")
 @pytest.mark.parametrize("exact", [False, True], ids=["regions", "exact"])
 def test_exact_mode_and_torch_compile_under_autocast_compute_the_bf16_models_bits(exact):
     master, ref = master_and_bf16("qwen3")
