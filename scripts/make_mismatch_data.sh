@@ -89,7 +89,9 @@ export VLLM_CPU_ATTN_SPLIT_KV=0
 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run qwen2-wide-nosplit --family qwen2 "${WIDE[@]}" --heads 4 --kv-heads 2 --head-dim 128
 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run qwen2-wide-eager-nosplit --family qwen2 --mode eager "${WIDE[@]}" --heads 4 --kv-heads 2 --head-dim 128
 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run qwen3-wide-nosplit --family qwen3 "${WIDE[@]}" --heads 8 --kv-heads 2 --head-dim 128
+PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run qwen3-wide-eager-nosplit --family qwen3 --mode eager "${WIDE[@]}" --heads 8 --kv-heads 2 --head-dim 128
 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run llama-wide-nosplit --family llama "${WIDE[@]}" --heads 8 --kv-heads 8 --head-dim 64
+PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run llama-wide-eager-nosplit --family llama --mode eager "${WIDE[@]}" --heads 8 --kv-heads 8 --head-dim 64
 # Qwen2-0.5B's widths, 8 layers, 300-token prompts: the engine's decode differs from its own prefill even with
 # split-KV off (other kernel shapes); exact mode's 'exact, decoded' row re-scores as the engine decoded.
 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " run qwen2-896-nosplit --family qwen2 --layers 8 --hidden 896 --intermediate 4864 \
