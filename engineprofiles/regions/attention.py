@@ -162,7 +162,8 @@ def exp_fexp_u20(x: torch.Tensor) -> torch.Tensor:
 _EXPF_N = 32
 _EXPF_INVLN2N = float.fromhex("0x1.71547652b82fep+0") * _EXPF_N
 _EXPF_SHIFT = float.fromhex("0x1.8p+52")
-_EXPF_POLY = (float.fromhex("0x1.c6af84b912394p-5") / _EXPF_N ** 3, float.fromhex("0x1.ebfce50fac4f3p-3") / _EXPF_N ** 2,
+_EXPF_POLY = (float.fromhex("0x1.c6af84b912394p-5") / _EXPF_N ** 3,
+              float.fromhex("0x1.ebfce50fac4f3p-3") / _EXPF_N ** 2,
               float.fromhex("0x1.62e42ff0c52d6p-1") / _EXPF_N)
 _EXPF_UNDERFLOW = float.fromhex("-0x1.9fe368p6")  # below: 0 (glibc's underflow)
 _EXPF_OVERFLOW = float.fromhex("0x1.62e42ep6")  # above: +inf
