@@ -133,6 +133,14 @@ def _entry_model(spec: RegionSpec) -> type[StrictModel]:
     return model
 
 
+def _dump_variants(spec: RegionSpec, variants: Any) -> dict[str, str]:
+    """An entry's variants as written: every one, except a variant the spec added after profiles were
+    shipped (``RegionSpec.late_variants``) while it holds its first option, the meaning a file without
+    it has (attention's ``output: nearest``), so that those files load and dump to the same bytes."""
+    return {k: v for k, v in variants.model_dump().items()
+            if not (k in spec.late_variants and v == spec.choice(k).options[0])}
+
+
 ENTRY_MODELS = {name: _entry_model(spec) for name, spec in REGIONS.items()}
 Regions = create_model(
     "Regions", __base__=StrictModel, **{name: (model, ...) for name, model in ENTRY_MODELS.items()}  # type: ignore[arg-type]
@@ -217,19 +225,19 @@ class Profile(StrictModel):
         data = self.model_dump(mode="json", exclude_defaults=True)
         data["schema_version"] = self.schema_version
         # Keep every region's sites visible even when they equal a default.
-        for name in REGIONS:
+        for name, spec in REGIONS.items():
             data["regions"].setdefault(name, {})
             entry = self.entry(name)
             data["regions"][name] = {
                 "sites": None if entry.sites is None else entry.sites.model_dump(),
-                "variants": entry.variants.model_dump(),
+                "variants": _dump_variants(spec, entry.variants),
                 "evidence": entry.evidence.model_dump(mode="json", exclude_defaults=True),
             }
-        for name in BESIDE:
+        for name, spec in BESIDE.items():
             e = self.entry(name)
             data[name] = {
                 "sites": None if e.sites is None else e.sites.model_dump(),
-                "variants": e.variants.model_dump(),
+                "variants": _dump_variants(spec, e.variants),
                 "evidence": e.evidence.model_dump(mode="json", exclude_defaults=True),
             }
         ordered = {k: data[k] for k in ("schema_version", "engine", "dtype", "regions", *BESIDE, "provenance")}

@@ -8,7 +8,8 @@
 # The MoE families (qwen3_moe: vLLM's fused-MoE experts, SGLang's native MoE, on the tiny model and a
 # wider one; qwen2_moe: its shared expert, vLLM on the tiny model).
 # Takes ~40 minutes on a 2-core CPU (each run starts the engine). --wide-only: only the wider models;
-# --batch-only: only the batch checks; --moe-only: only the MoE runs.
+# --batch-only: only the batch checks; --moe-only: only the MoE runs; --avx2-only: vLLM's AVX2 build,
+# emulated on an AVX-512 host (scripts/emulate_cpu.sh avx2; the trainer then loads the -avx2 profile).
 set -euo pipefail
 REPO=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
@@ -20,8 +21,9 @@ run() {  # name, then probe-engine mismatch options
   local name=$1; shift
   echo "== $name: probe-engine mismatch vllm --exact $*" >&2
   ENGINEPROFILES_COMMAND="${PREFIX:-}probe-engine mismatch vllm --exact $*" \
-    "$PY" -m engineloop.cli mismatch vllm --exact --json "$D/mismatch-vllm-$V-$name.json" "$@" >/dev/null
+    $WRAP "$PY" -m engineloop.cli mismatch vllm --exact --json "$D/mismatch-vllm-$V-$name.json" "$@" >/dev/null
 }
+WRAP=
 batch() {  # engine, name, then probe-engine mismatch options
   local engine=$1 name=$2; shift 2
   local ver=$V; [[ $engine == sglang ]] && ver=${SGLANG_VERSION:-0.5.23}
@@ -59,6 +61,21 @@ moe_all() {
 }
 if [[ "${1:-}" == --moe-only ]]; then
   moe_all
+  "$PY" scripts/make_mismatch_docs.py
+  exit 0
+fi
+avx2_all() {
+  grep -qw avx512f /proc/cpuinfo || { echo "--avx2-only: AVX2 is emulated on an AVX-512 host; this one has none" >&2; exit 2; }
+  WRAP="scripts/emulate_cpu.sh avx2" PREFIX="scripts/emulate_cpu.sh avx2 " run qwen2-avx2 --family qwen2
+  export VLLM_CPU_ATTN_SPLIT_KV=0
+  local P="VLLM_CPU_ATTN_SPLIT_KV=0 scripts/emulate_cpu.sh avx2 "
+  WRAP="scripts/emulate_cpu.sh avx2" PREFIX="$P" run qwen2-wide-nosplit-avx2 --family qwen2 "${WIDE[@]}" --heads 4 --kv-heads 2 --head-dim 128
+  WRAP="scripts/emulate_cpu.sh avx2" PREFIX="$P" run qwen3-wide-nosplit-avx2 --family qwen3 "${WIDE[@]}" --heads 8 --kv-heads 2 --head-dim 128
+  WRAP="scripts/emulate_cpu.sh avx2" PREFIX="$P" run llama-wide-nosplit-avx2 --family llama "${WIDE[@]}" --heads 8 --kv-heads 8 --head-dim 64
+  unset VLLM_CPU_ATTN_SPLIT_KV
+}
+if [[ "${1:-}" == --avx2-only ]]; then
+  avx2_all
   "$PY" scripts/make_mismatch_docs.py
   exit 0
 fi
@@ -111,4 +128,5 @@ if [[ "${1:-}" != --wide-only ]]; then
 fi
 moe_all
 batch_all
+if grep -qw avx512f /proc/cpuinfo; then avx2_all; else echo "AVX2 (emulated) runs left out: this host has no AVX-512" >&2; fi
 "$PY" scripts/make_mismatch_docs.py

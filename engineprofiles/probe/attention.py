@@ -6,7 +6,7 @@ so far). :func:`fit_attention` searches the lattice (``engineprofiles.regions.at
 choice at a time from a starting point, keeps the point that matches the most output elements
 bit for bit (ties keep the current point), and records the evidence as for the regions: the
 winner's match rate per path, the runner-up, the largest ULP distance of what is left, the points
-that tied. Points are searched, not enumerated (the lattice has ~2000), so the evidence says how
+that tied. Points are searched, not enumerated (the lattice has 12,960), so the evidence says how
 many were tried.
 """
 
@@ -47,6 +47,9 @@ KERNEL_STARTS = (
     ("torch's CPU flash attention (AVX512, BF16/FP16)", ATTENTION_SPEC.point(dict(logits="fp32", probs="rounded"), dict(
         scale="logits", qk_dot="matmul", exp="vec16_fexp_u20", row_sum="vec16_tree_tail", pv_dot="matmul",
         normalize="reciprocal_f64"))),
+    ("vLLM's CPU attention kernel, AVX2 build", ATTENTION_SPEC.point(dict(logits="fp32", probs="fp32"), dict(
+        scale="query", qk_dot="mul_add", exp="glibc_expf", row_sum="lanes16_halves_sequential", pv_dot="mul_add",
+        normalize="reciprocal_f64", output="truncate"))),
 )
 
 

@@ -7,21 +7,34 @@ Per query row (one head, one token), with the keys it may see:
     l_j = l_j * scale                          (scale: logits)
     l_j = round(l_j)?                          # site: logits
     m = max_j l_j
-    p_j = exp(l_j - m)                         # variant: exp (poly5_fma | correctly_rounded | torch | vec16_fexp_u20)
+    p_j = exp(l_j - m)                         # variant: exp (poly5_fma | correctly_rounded | torch | vec16_fexp_u20
+                                               #               | glibc_expf)
     s = sum_j p_j                              # variant: row_sum (lanes16_tree | lanes16_sequential | sequential | torch
-                                               #                   | vec16_tree_tail)
+                                               #                   | vec16_tree_tail | lanes16_halves_sequential)
     normalize: p_j = p_j / s here (before_pv), or the output is scaled at the end   # variant: normalize
     p_j = round(p_j)?                          # site: probs
     o = sum_j p_j v_j over the keys            # variant: pv_dot (fma | mul_add | matmul)
     o = o * fp32(1 / fp64(s)) (reciprocal_f64) or o / s (divide)
-    out = round(o)                             (the output, always rounded once)
+    out = round(o)                             (the output, converted once)   # variant: output (nearest | truncate)
 
 ``fma`` and ``mul_add`` accumulate sequentially over the reduced dimension in FP32 (key 0 first for
 P·V, lane 0 first for q·k), each step one fused multiply-add or a multiply and an add;
 ``matmul`` is torch's FP32 matmul on the tensor's device. ``lanes16_*`` sums key j into lane
 j mod 16 in key order, then adds the 16 lanes as a tree (8+8, 4+4, 2+2, 1+1) or in lane order.
+``lanes16_halves_sequential`` accumulates the same 16 lanes, held as two 8-lane halves, and adds each
+half in lane order from 0 (lanes 0..7, then 8..15) before adding the two halves' sums.
 ``poly5_fma`` is exp by a single-constant Cody-Waite reduction, a degree-5 polynomial evaluated with
 fused multiply-adds and a scaling by 2^(n-1)*2; ``correctly_rounded`` is exp rounded once to FP32.
+``glibc_expf`` is the C library's scalar ``expf`` called on every element (glibc 2.28 and later, x86-64
+with FMA: a table of 32 powers 2^(i/32), a cubic in FP64 evaluated with fused multiply-adds, one
+rounding to FP32), which is not always correctly rounded; :func:`exp_glibc_expf` computes it in FP64.
+``output``: the FP32 output converted to the activation dtype rounding to nearest even (``nearest``)
+or by dropping the low 16 bits of BF16's FP32 pattern (``truncate``, BF16 only).
+
+vLLM's CPU kernel with its AVX2 build (``_C_AVX2``: the ``vec`` ISA without AVX-512) is the point
+``scale=query qk_dot=mul_add exp=glibc_expf row_sum=lanes16_halves_sequential pv_dot=mul_add
+normalize=reciprocal_f64 output=truncate``, both sites FP32; its AVX-512 build is the same kernel with
+FMAs, the polynomial exp, a tree over the 16 lanes and a rounded output.
 
 ``vec16_*`` are torch's CPU flash attention (``scaled_dot_product_attention`` on CPU in BF16/FP16,
 AVX512: 16 FP32 lanes), which SGLang's CPU engine calls (its ``torch_native`` backend). A row of L
@@ -60,21 +73,28 @@ SPEC = RegionSpec(
         variant("qk_dot", ("fma", "mul_add", "matmul"),
                 "q.k: sequential over the head dim with fused multiply-adds, with separate multiply and add, or "
                 "torch's FP32 matmul"),
-        variant("exp", ("poly5_fma", "correctly_rounded", "torch", "vec16_fexp_u20"),
-                "exp: degree-5 polynomial with FMAs (vectorized kernels), exp rounded once, torch.exp in FP32, or "
+        variant("exp", ("poly5_fma", "correctly_rounded", "torch", "vec16_fexp_u20", "glibc_expf"),
+                "exp: degree-5 polynomial with FMAs (vectorized kernels), exp rounded once, torch.exp in FP32, "
                 "torch's CPU flash attention (fexp_u20 on whole 16-lane vectors of the row, exp rounded once on the "
-                "rest)"),
-        variant("row_sum", ("lanes16_tree", "lanes16_sequential", "sequential", "torch", "vec16_tree_tail"),
+                "rest), or glibc's scalar expf on every element (FP64 table and cubic with FMAs)"),
+        variant("row_sum", ("lanes16_tree", "lanes16_sequential", "sequential", "torch", "vec16_tree_tail",
+                            "lanes16_halves_sequential"),
                 "sum of the softmax numerators: 16 lanes (key j in lane j mod 16) added as a tree or in lane "
-                "order, one sequential sum, torch.sum, or torch's CPU flash attention (the whole 16-lane vectors "
-                "lane-wise, the lanes as a tree, then the rest in order)"),
+                "order, one sequential sum, torch.sum, torch's CPU flash attention (the whole 16-lane vectors "
+                "lane-wise, the lanes as a tree, then the rest in order), or the 16 lanes as two halves of 8, "
+                "each added in lane order, then the two sums"),
         variant("pv_dot", ("fma", "mul_add", "matmul"),
                 "p.v: sequential over the keys with fused multiply-adds, with separate multiply and add, or "
                 "torch's FP32 matmul"),
         variant("normalize", ("reciprocal_f64", "divide", "before_pv"),
                 "the division by the sum: output times fp32(1/fp64(sum)), output / sum, or the weights divided "
                 "before they multiply v"),
+        variant("output", ("nearest", "truncate"),
+                "the FP32 output converted to the activation dtype: rounded to nearest even, or truncated "
+                "(the low 16 bits of the FP32 pattern dropped; BF16 only)"),
     ),
+    # ``output`` came after profiles were shipped (2026-12-05): a profile without it rounds to nearest.
+    late_variants=("output",),
 )
 
 # The constants of the poly5_fma exp, as FP32 bit patterns where the kernels write them so.
@@ -136,6 +156,95 @@ def exp_fexp_u20(x: torch.Tensor) -> torch.Tensor:
     return i.view(torch.float32)
 
 
+# glibc's expf (sysdeps/ieee754/flt-32/e_expf.c, glibc >= 2.28): N = 2^EXP2F_TABLE_BITS = 32 table
+# entries, 1/ln2 * N, the shift that rounds to an integer, and the cubic's coefficients for 2^(r/N) - 1
+# (the unscaled ones, as published; the scaling by powers of N is exact).
+_EXPF_N = 32
+_EXPF_INVLN2N = float.fromhex("0x1.71547652b82fep+0") * _EXPF_N
+_EXPF_SHIFT = float.fromhex("0x1.8p+52")
+_EXPF_POLY = (float.fromhex("0x1.c6af84b912394p-5") / _EXPF_N ** 3,
+              float.fromhex("0x1.ebfce50fac4f3p-3") / _EXPF_N ** 2,
+              float.fromhex("0x1.62e42ff0c52d6p-1") / _EXPF_N)
+_EXPF_UNDERFLOW = float.fromhex("-0x1.9fe368p6")  # below: 0 (glibc's underflow)
+_EXPF_OVERFLOW = float.fromhex("0x1.62e42ep6")  # above: +inf
+
+
+def _expf_table() -> list[int]:
+    """The FP64 bit patterns of 2^(i/N), i < N, rounded to nearest, minus i << (52 - 5): glibc's
+    ``__exp2f_data.tab``, computed here (decimal arithmetic, 60 digits) instead of written down."""
+    import decimal
+    import struct
+
+    ctx = decimal.Context(prec=60)
+    out = []
+    for i in range(_EXPF_N):
+        v = float(ctx.power(decimal.Decimal(2), ctx.divide(decimal.Decimal(i), decimal.Decimal(_EXPF_N))))
+        out.append(struct.unpack("<q", struct.pack("<d", v))[0] - (i << (52 - 5)))
+    return out
+
+
+_EXPF_TAB = _expf_table()
+
+
+def _two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def _two_prod(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a*b = p + e exactly (FP64, Dekker's product; finite values far from overflow)."""
+    p = a * b
+    ca, cb = a * 134217729.0, b * 134217729.0  # 2^27 + 1
+    ah, bh = ca - (ca - a), cb - (cb - b)
+    al, bl = a - ah, b - bh
+    return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+
+def fma_f64(a: torch.Tensor, b: torch.Tensor | float, c: torch.Tensor | float) -> torch.Tensor:
+    """Correctly rounded FP64 fused multiply-add ``a*b + c`` from FP64 operations (finite operands whose
+    product is far from overflow and underflow, as in :func:`exp_glibc_expf`): the exact product
+    p + e, then p + c split exactly (TwoSum) into th + tl, and th + (tl + e) with the inner sum
+    rounded to odd, which makes the outer rounding the one rounding of the exact sum (Boldo and
+    Melquiond's correctly rounded sum of three numbers)."""
+    a, b, c = torch.broadcast_tensors(*(torch.as_tensor(t, dtype=torch.float64, device=a.device) for t in (a, b, c)))
+    ph, pl = _two_prod(a, b)
+    th, tl = _two_sum(c, ph)
+    s, e = _two_sum(tl, pl)
+    sb = s.view(torch.int64)
+    odd = (e != 0) & ((sb & 1) == 0)  # inexact and even: move one ulp toward the error
+    away = (e > 0) == (s > 0)
+    s = torch.where(odd, (sb + torch.where(away, 1, -1)).view(torch.float64), s)
+    return th + s
+
+
+def exp_glibc_expf(x: torch.Tensor) -> torch.Tensor:
+    """glibc's scalar ``expf`` (x86-64 with FMA, glibc 2.28 and later), computed in FP64 with torch:
+    k = round(x * N/ln2) (the product fused with the rounding shift), r = x * N/ln2 - k (fused, one
+    rounding), 2^(k/N) from the table with k // N added to the exponent, the cubic by fused
+    multiply-adds, the product rounded to FP64, then once to FP32. Checked bit for bit against the C
+    library's expf on every FP32 value in [-87, 0] (tests/engineprofiles/test_attention.py samples it)."""
+    xd = x.double()
+    under = xd < _EXPF_UNDERFLOW
+    over = xd > _EXPF_OVERFLOW
+    bad = ~torch.isfinite(xd) | under | over
+    xs = torch.where(bad, torch.zeros_like(xd), xd)
+    kd = fma_f64(xs, _EXPF_INVLN2N, _EXPF_SHIFT)  # round to an integer (ties to even) in the low bits
+    ki = kd.view(torch.int64)
+    kd = kd - _EXPF_SHIFT
+    r = fma_f64(xs, _EXPF_INVLN2N, -kd)
+    tab = torch.tensor(_EXPF_TAB, dtype=torch.int64, device=x.device)
+    s = (tab[ki % _EXPF_N] + (ki << (52 - 5))).view(torch.float64)
+    z = fma_f64(r, _EXPF_POLY[0], _EXPF_POLY[1])
+    r2 = r * r
+    y = fma_f64(r, _EXPF_POLY[2], 1.0)
+    y = fma_f64(z, r2, y)
+    out = (y * s).float()
+    out = torch.where(under, torch.zeros_like(out), out)
+    out = torch.where(over, torch.full_like(out, float("inf")), out)
+    return torch.where(torch.isnan(x) | torch.isinf(x), torch.exp(x), out)  # exp(-inf) = 0, inf, nan
+
+
 def _vec16_split(n: int) -> int:
     """The keys in whole 16-lane vectors of a row of n keys."""
     return 16 * (n // 16)
@@ -149,6 +258,8 @@ def _exp(x: torch.Tensor, how: str) -> torch.Tensor:
     if how == "vec16_fexp_u20":
         nv = _vec16_split(x.shape[-1])
         return torch.cat((exp_fexp_u20(x[..., :nv]), torch.exp(x[..., nv:].double()).float()), -1)
+    if how == "glibc_expf":
+        return exp_glibc_expf(x)
     return torch.exp(x)
 
 
@@ -173,6 +284,12 @@ def _row_sum(p: torch.Tensor, how: str) -> torch.Tensor:
     lanes = torch.zeros_like(chunks[..., 0, :])
     for c in range(chunks.shape[-2]):
         lanes = lanes + chunks[..., c, :]
+    if how == "lanes16_halves_sequential":
+        lo, hi = lanes[..., 0], lanes[..., 8]
+        for i in range(1, 8):
+            lo = lo + lanes[..., i]
+            hi = hi + lanes[..., 8 + i]
+        return lo + hi
     if how == "lanes16_sequential":
         acc = lanes[..., 0]
         for i in range(1, 16):
@@ -255,7 +372,17 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Poin
     elif point["normalize"] == "divide":
         out = out / total[..., None]
     out = torch.where(seen[None, :, None], out, torch.zeros_like(out))
+    if point["output"] == "truncate":
+        return truncate_to(out.contiguous(), dt).to(dt).transpose(0, 1)  # region output
     return round_to(out.contiguous(), dt).to(dt).transpose(0, 1)  # region output
+
+
+def truncate_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP32 to BF16 by dropping the low 16 bits of the FP32 pattern (rounding toward zero; a NaN whose
+    payload sits in the low bits becomes an infinity, as in a kernel that shifts the bits); stays FP32."""
+    if act_dtype(dtype) != torch.bfloat16:
+        raise ValueError(f"attention output=truncate is defined for bfloat16 only, not {dtype}")
+    return (x.view(torch.int32) & -65536).view(torch.float32)
 
 
 def attention_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,

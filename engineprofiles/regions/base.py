@@ -94,6 +94,9 @@ class RegionSpec:
     variants: tuple[Choice, ...] = ()
     # Rules mapping points that can never produce different outputs onto one representative.
     canonical_rules: Callable[[dict[str, str]], dict[str, str]] = field(default=lambda d: d)
+    # Variants added after profiles were shipped: a profile without one means its first option (the
+    # meaning the older files had), and a profile is written without it while it holds that option.
+    late_variants: tuple[str, ...] = ()
 
     @property
     def choices(self) -> tuple[Choice, ...]:

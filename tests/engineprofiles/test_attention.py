@@ -17,6 +17,8 @@ from engineprofiles.store import get_profile
 from ..conftest import as_schema_version
 
 VLLM_CPU = ATTENTION_SPEC.point(dict(logits="fp32", probs="fp32"))  # the variants' first options
+VLLM_AVX2 = VLLM_CPU.replace(qk_dot="mul_add", exp="glibc_expf", row_sum="lanes16_halves_sequential", pv_dot="mul_add",
+                             output="truncate")  # vLLM 0.32.0's _C_AVX2 kernel (emulated AVX2, 2026-12-05)
 
 
 def _f32_neighbours(x: float) -> tuple[float, float]:
@@ -211,6 +213,7 @@ def test_the_flash_attention_options_refuse_rows_longer_than_one_block():
     VLLM_CPU.replace(exp="correctly_rounded", row_sum="lanes16_sequential"),  # what a scalar-exp AVX2 build would be
     START.replace(probs="rounded", normalize="before_pv"),
     VLLM_CPU.replace(logits="rounded", scale="logits", pv_dot="mul_add"),
+    VLLM_AVX2,
 ], ids=lambda p: p.label().replace(" ", ","))
 def test_the_attention_fit_recovers_a_planted_engine(planted):
     """A synthetic engine built from the reference at ``planted``: the fit, started elsewhere,
@@ -280,3 +283,146 @@ def test_a_version_2_profile_without_attention_is_refused_naming_the_field():
     data["attention"]["variants"]["exp"] = "fast"
     with pytest.raises(ProfileError, match="attention.variants.exp"):
         profile_from_yaml(yaml.safe_dump(data), "v2.yaml")
+
+
+# -- vLLM's AVX2 kernel: glibc's expf, the sum over two 8-lane halves, the truncated output ---------------------------
+
+def _libm_expf():
+    """The C library's expf through ctypes, or a printed reason why it is not glibc's on x86-64 with FMA
+    (the variant the reference computes; glibc picks its FMA build at run time where the CPU has FMA)."""
+    import ctypes
+    import ctypes.util
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"not x86-64 Linux ({platform.system()} {platform.machine()})"
+    libc_name, libc_version = platform.libc_ver()
+    if libc_name != "glibc" or tuple(int(x) for x in libc_version.split(".")[:2]) < (2, 28):
+        return None, f"C library {libc_name or '?'} {libc_version}: glibc_expf models glibc >= 2.28"
+    try:
+        with open("/proc/cpuinfo") as f:
+            has_fma = " fma " in f.read()
+    except OSError:
+        has_fma = False
+    if not has_fma:
+        return None, "the CPU has no FMA: glibc then runs its non-FMA expf, which glibc_expf does not model"
+    lib = ctypes.CDLL(ctypes.util.find_library("m"))
+    lib.expf.restype, lib.expf.argtypes = ctypes.c_float, (ctypes.c_float,)
+    return lib.expf, ""
+
+
+def _skip_loudly(reason: str):
+    print(f"SKIPPED (not a pass): {reason}")
+    pytest.skip(reason)
+
+
+def test_glibc_expf_is_libm_expf_bit_for_bit():
+    """exp_glibc_expf against the C library's expf itself (ctypes, one call per value): every value the
+    attention softmax can feed it (x <= 0), dense near 0 and spread to the underflow, the points where
+    glibc's expf is not correctly rounded, and the one input below where FMA contraction inside glibc
+    matters (a non-FMA emulation differs there: it was found by an exhaustive run over [-87, 0])."""
+    from engineprofiles.regions.attention import exp_glibc_expf
+
+    expf, why = _libm_expf()
+    if expf is None:
+        _skip_loudly(why)
+    g = torch.Generator().manual_seed(0)
+    xs = torch.cat((
+        -torch.rand(60000, generator=g) * 20.0,
+        -torch.rand(30000, generator=g) * 110.0,
+        -torch.rand(10000, generator=g) * 1e-3,
+        torch.tensor([0.0, -0.0, -1e-30, -1e-45, -63.09946060180664, -87.33654, -88.72283, -103.97207, -103.97208,
+                      -104.0, -150.0, -1e30, float("-inf")]),
+    )).float()
+    want = torch.tensor([expf(v) for v in xs.tolist()], dtype=torch.float32)
+    got = exp_glibc_expf(xs)
+    diff = (got.view(torch.int32) != want.view(torch.int32)).nonzero().flatten()
+    assert diff.numel() == 0, f"{diff.numel()} of {xs.numel()} differ, e.g. x={xs[diff[:5]].tolist()}"
+    # the test can fail: glibc's expf is not the correctly rounded exp on these inputs
+    cr = torch.exp(xs.double()).float()
+    assert int((cr.view(torch.int32) != want.view(torch.int32)).sum()) > 10
+    # and the FMA contraction inside glibc shows on this input (a separate multiply and add give 1 ulp less)
+    assert expf(-63.09946060180664) == float(exp_glibc_expf(torch.tensor([-63.09946060180664]))) == 3.946866735154823e-28
+
+
+def test_fma_f64_is_the_single_rounding_of_the_exact_value():
+    from engineprofiles.regions.attention import fma_f64
+
+    rng = random.Random(1)
+    trip = []
+    for _ in range(400):
+        a, b = rng.uniform(-4, 4), rng.uniform(-4, 4)
+        trip.append((a, b, rng.uniform(-8, 8)))
+        trip.append((a, b, -(a * b)))  # the result is the product's rounding error
+        trip.append((a, b, -(a * b) * (1 + 2 ** -52)))
+    a, b, c = (torch.tensor(v, dtype=torch.float64) for v in zip(*trip))
+    got = fma_f64(a, b, c)
+    want = [float(Fraction(x) * Fraction(y) + Fraction(z)) for x, y, z in trip]  # float(Fraction) rounds once, RNE
+    assert got.tolist() == want
+    assert (a * b + c).tolist() != want
+
+
+def test_lanes16_halves_sequential_adds_each_half_in_lane_order_then_the_halves():
+    from engineprofiles.regions.attention import _row_sum
+
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 7, 8, 9, 16, 17, 40, 300):
+        p = torch.rand(3, n, generator=g) * torch.logspace(-6, 0, n)
+        lanes = [[0.0] * 16 for _ in range(3)]
+        want = []
+        for r in range(3):
+            for j in range(n):  # key j into lane j mod 16, in key order, FP32
+                lanes[r][j % 16] = _f32(lanes[r][j % 16] + float(p[r, j]))
+            lo = hi = 0.0
+            for i in range(8):
+                lo = _f32(lo + lanes[r][i])
+                hi = _f32(hi + lanes[r][8 + i])
+            want.append(_f32(lo + hi))
+        assert _row_sum(p, "lanes16_halves_sequential").tolist() == want, n
+    p = torch.rand(64, 300, generator=g) * torch.logspace(-6, 0, 300)
+    others = [_row_sum(p, o) for o in ("lanes16_tree", "lanes16_sequential")]
+    mine = _row_sum(p, "lanes16_halves_sequential")
+    assert all(not torch.equal(mine, o) for o in others)  # the inputs tell the orders apart
+
+
+def test_output_truncate_drops_the_low_bits_and_nearest_rounds():
+    from engineprofiles.regions.attention import truncate_to
+
+    a = 1.0 + 2 ** -7 + 2 ** -8 + 2 ** -9  # BF16 keeps 7 mantissa bits: 1 + 2^-7 below, 1 + 2^-6 above
+    x = torch.tensor([a, -a, 1.0 + 2 ** -9, 3.0, 0.0, float("inf")])
+    assert truncate_to(x, torch.bfloat16).tolist() == [1.0 + 2 ** -7, -(1.0 + 2 ** -7), 1.0, 3.0, 0.0, float("inf")]
+    assert x.to(torch.bfloat16).float().tolist()[:3] == [1.0 + 2 ** -6, -(1.0 + 2 ** -6), 1.0]
+    with pytest.raises(ValueError, match="bfloat16 only"):
+        truncate_to(x, torch.float16)
+    _, q, k, v, scale = next(attention_inputs(torch.bfloat16, 0))
+    near = attention_ref(q, k, v, VLLM_CPU, scale=scale)
+    trunc = attention_ref(q, k, v, VLLM_CPU.replace(output="truncate"), scale=scale)
+    nb, tb = near.view(torch.int16).int(), trunc.view(torch.int16).int()
+    assert not torch.equal(nb, tb) and bool(((nb - tb).abs() <= 1).all())  # one BF16 ulp at most, toward zero
+    assert bool((trunc.float().abs() <= near.float().abs()).all())
+
+
+def test_a_profile_without_the_output_variant_means_nearest_and_keeps_its_bytes():
+    import yaml
+
+    from engineprofiles.store import shipped_dir, shipped_names
+
+    names = [n for n in shipped_names() if "avx2" not in n]
+    assert names
+    for name in names:
+        text = (shipped_dir() / f"{name}.yaml").read_text()
+        data = yaml.safe_load(text)
+        if data["attention"]["sites"] is None:
+            continue
+        assert "output" not in data["attention"]["variants"], name  # AVX512 profiles: written before the variant
+        p = profile_from_yaml(text)
+        assert p.attention.variants.output == "nearest"
+        assert p.to_yaml() == text
+    data["attention"]["variants"]["output"] = "truncate"
+    p = profile_from_yaml(yaml.safe_dump(data, sort_keys=False))
+    assert p.attention.variants.output == "truncate"
+    assert "output: truncate" in p.to_yaml() and profile_from_yaml(p.to_yaml()).to_yaml() == p.to_yaml()
+
+
+def test_the_lattice_counts_its_points():
+    assert len(ATTENTION_SPEC.all_points()) == len(ATTENTION_SPEC.all_points(canonical=False)) == 12960
