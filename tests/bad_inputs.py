@@ -416,13 +416,24 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT unblocked and at its default disposition (Python then installs
+    its KeyboardInterrupt handler)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt(ctx: Ctx, argv: list[str]) -> tuple[int, str, str, bool]:
     """Run ``python -c ...`` (argv), wait until it writes ctx.base/ready (it is then blocked where
     the case wants it), send SIGINT; (exit code, stdout, stderr, whether it got there)."""
     ready = ctx.base / "ready"
     out, err = ctx.base / "stdout", ctx.base / "stderr"
     with open(out, "w") as fo, open(err, "w") as fe:
-        proc = subprocess.Popen([sys.executable, "-c", *argv], cwd=ROOT, env=_child_env(), stdout=fo, stderr=fe)
+        # The child starts with SIGINT's default disposition, unblocked, whatever this process inherited or
+        # a library set here (a full CI run once saw every SIGINT case's child ignore the signal; alone they
+        # passed): the cases are about what the code does with a signal, not about the test's parent.
+        proc = subprocess.Popen([sys.executable, "-c", *argv], cwd=ROOT, env=_child_env(), stdout=fo, stderr=fe,
+                                preexec_fn=_default_sigint)
         t0 = time.monotonic()
         while not ready.exists() and proc.poll() is None and time.monotonic() - t0 < 120:
             time.sleep(0.02)
