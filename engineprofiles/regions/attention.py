@@ -54,6 +54,8 @@ It is written for clarity, not speed: exact mode pays for it (scripts/bench_exac
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .. import portable
@@ -324,13 +326,15 @@ def causal_mask(tq: int, tk: int, device: torch.device | str = "cpu") -> torch.T
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, *, scale: float,
-                  mask: torch.Tensor | None = None) -> torch.Tensor:
+                  mask: torch.Tensor | None = None, kv_split: "KVSplit | None" = None) -> torch.Tensor:
     """Reference attention of one sequence at ``point``.
 
     q: [Tq, Hq, D], k and v: [Tk, Hk, D] in the activation dtype (Hq a multiple of Hk: grouped
     queries share a key/value head); ``mask``: [Tq, Tk] bool, True where a query sees a key
     (default: causal, the queries being the last Tq positions). Key j is the j-th key of the
     sequence, which fixes its lane in the lanes16 sums. Rows that see no key give zeros.
+    ``kv_split``: the engine splits some rows' keys into chunks computed apart and merged
+    (:class:`KVSplit`, vLLM's CPU attention with ``VLLM_CPU_ATTN_SPLIT_KV=1``); None: no row is split.
     Returns [Tq, Hq, D] in the activation dtype."""
     dt = act_dtype(q.dtype)
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1]:
@@ -367,6 +371,13 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Poin
     if point["probs"] == ROUNDED:  # site: probs
         p = round_to(p, dt)
     out = _dot(p, vh, point["pv_dot"])  # [Hq, Tq, D]
+    plan = kv_split.plan(tq, tk, hq, hk) if kv_split is not None else []
+    if plan and (point["normalize"] == "before_pv" or point["probs"] == ROUNDED):
+        raise ValueError("attention_ref: a split-KV plan is defined for points that normalize at the end with FP32 "
+                         f"weights (vLLM's CPU kernel), not normalize={point['normalize']} probs={point['probs']}")
+    for row, ranges in plan:
+        o_r, s_r = _split_row(logits[:, row], mask[row], vh, ranges, point, kv_split.merge)
+        out[:, row], total[:, row] = o_r, s_r
     if point["normalize"] == "reciprocal_f64":
         out = (1.0 / total.double()).float()[..., None] * out
     elif point["normalize"] == "divide":
@@ -375,6 +386,134 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Poin
     if point["output"] == "truncate":
         return truncate_to(out.contiguous(), dt).to(dt).transpose(0, 1)  # region output
     return round_to(out.contiguous(), dt).to(dt).transpose(0, 1)  # region output
+
+
+@dataclass(frozen=True)
+class KVSplit:
+    """vLLM's CPU attention splitting a query row's keys across threads (``VLLM_CPU_ATTN_SPLIT_KV=1``,
+    vLLM's default), for one request alone in the batch (as the engine samples in `probe-engine mismatch`).
+
+    vLLM's scheduler (``torch.ops._C.get_scheduler_metadata``) gives each thread a share of the
+    keys: ``share = align(align(Tk) * tiles // threads) * heads`` keys, ``align`` rounding up to
+    ``kv_block_alignment`` and ``heads`` the KV heads (the query heads where a group does not fit
+    ``max_q_heads_per_iter``), ``tiles`` the query tiles of ``max_q_heads_per_iter // group`` tokens.
+    Only a last query tile of one token (every decode step) may be split: its keys go in chunks of
+    ``max(share left, min_split)`` keys (``min_split = align(4 * max_q_heads_per_iter)``), one per
+    thread, until what is left fits the share plus ``min_split`` or the last thread takes it.
+
+    Each chunk is attention over its keys alone at the profile's point (its own max, exp, lane sum
+    and P.V, the lanes counted from the chunk's first key, a multiple of 16), unnormalized. The
+    chunks then merge in key order: with the running (M, S, O) and a chunk's (m, s, o),
+    r = expf(min(M, m) - max(M, m)) (the C library's scalar expf), the smaller side scaled by r:
+    ``S = S + r*s, O = O + o*r`` when M > m, else ``S = r*S + s, O = o + O*r``, each product and sum
+    fused into one multiply-add where ``merge`` is ``fma``, two roundings where it is ``mul_add``;
+    M = max(M, m). The output is O * fp32(1 / fp64(S)), converted once, as unsplit rows.
+
+    ``threads`` is the engine's OpenMP thread count (a capture records it as ``attention.torch_threads``).
+    """
+
+    threads: int
+    max_q_heads_per_iter: int = 8
+    kv_block_alignment: int = 32
+    merge: str = "fma"
+
+    def __post_init__(self):
+        for name in ("threads", "max_q_heads_per_iter", "kv_block_alignment"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"KVSplit.{name} must be a positive integer, got {v!r}")
+        if self.kv_block_alignment % 16:
+            raise ValueError(f"KVSplit.kv_block_alignment must be a multiple of 16 (the kernel's lanes), "
+                             f"got {self.kv_block_alignment}")
+        if self.merge not in ("fma", "mul_add"):
+            raise ValueError(f"KVSplit.merge must be 'fma' or 'mul_add', got {self.merge!r}")
+
+    def plan(self, tq: int, tk: int, hq: int, hk: int) -> list[tuple[int, list[tuple[int, int]]]]:
+        """The split rows of a causal call of ``tq`` queries (the last ``tq`` positions) over ``tk``
+        keys: (query row, [(first key, end key), ...]) for each row the engine splits; [] for none."""
+        a, mq, threads = self.kv_block_alignment, self.max_q_heads_per_iter, self.threads
+        group = hq // hk
+        gqa = mq % group == 0
+        if not gqa:
+            group = 1
+        q_tile = mq // group
+        if tq < 1 or tk < 1:
+            return []
+        up = lambda n: -(-n // a) * a  # noqa: E731 - round up to the alignment
+        min_split = up(4 * mq)
+        starts = range(0, tq, q_tile)
+        # a query tile reads the keys up to its last query (causal), aligned
+        tile_keys = [up(min(tk, tk - tq + t0 + min(q_tile, tq - t0))) for t0 in starts]
+        share = up(sum(tile_keys) // threads)
+        thread, left, owned, items = 0, share, 0, 0  # owned: keys of the open work item; items: this thread's
+        for t0, kv_len in zip(starts, tile_keys):
+            n = min(q_tile, tq - t0)
+            cur, start, ranges = kv_len, 0, []
+            while cur > 0:
+                if cur <= left + min_split or thread == threads - 1:
+                    left -= cur
+                    if left < 0:
+                        left -= min_split
+                    if ranges:  # the last chunk of a split row
+                        ranges.append((start, tk))
+                        owned = 0
+                        items += 1
+                    else:
+                        owned += cur
+                    cur = 0
+                    break
+                if left < min_split and (owned > 0 or items > 0):
+                    thread, left, owned, items = thread + 1, share, 0, 0
+                    continue
+                if t0 + q_tile < tq or n > 1:  # only a last tile of one token is split
+                    # (the scheduler also moves a work item to the next thread when its query tokens
+                    # reach the L2-sized default tile; not modelled: hundreds of tokens in one item)
+                    owned += cur
+                    left -= cur
+                    cur = 0
+                    break
+                size = min(max(left, min_split), cur)
+                ranges.append((start, start + size))
+                start += size
+                cur -= size
+                thread, left, owned, items = thread + 1, share, 0, 0
+            if ranges:
+                if len(ranges) == 1:  # never happens: a split has a chunk before the last
+                    raise AssertionError("split plan with one chunk")
+                return [(t0, ranges)]
+        return []
+
+
+def _split_row(logits: torch.Tensor, seen: torch.Tensor, vh: torch.Tensor, ranges: list[tuple[int, int]],
+               point: Point, merge: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query row's unnormalized output [Hq, D] and sum [Hq] from its key chunks, merged as
+    :class:`KVSplit` says; ``logits`` [Hq, Tk] (scaled, masked with -inf), ``seen`` [Tk]."""
+    fused = merge == "fma"
+    big_m = big_s = big_o = None
+    for s, e in ranges:
+        lg = logits[:, s:e]
+        m = lg.amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = _exp(lg - m, point["exp"])
+        p = torch.where(seen[s:e], p, torch.zeros_like(p))
+        tot = _row_sum(p, point["row_sum"])  # [Hq]
+        o = _dot(p[:, None, :], vh[:, s:e], point["pv_dot"])[:, 0]  # [Hq, D]
+        m = m[:, 0]
+        if big_m is None:
+            big_m, big_s, big_o = m, tot, o
+            continue
+        keep = big_m > m  # the running side is larger: the chunk is scaled
+        r = exp_glibc_expf(torch.where(keep, m - big_m, big_m - m))
+        small_s, large_s = torch.where(keep, tot, big_s), torch.where(keep, big_s, tot)
+        small_o, large_o = torch.where(keep[:, None], o, big_o), torch.where(keep[:, None], big_o, o)
+        if fused:
+            big_s = portable.fma(r, small_s, large_s)
+            big_o = portable.fma(small_o, r[:, None].expand_as(small_o), large_o)
+        else:
+            big_s = large_s + r * small_s
+            big_o = large_o + small_o * r[:, None]
+        big_m = torch.maximum(big_m, m)
+    return big_o, big_s
 
 
 def truncate_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
