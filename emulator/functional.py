@@ -57,6 +57,7 @@ from typing import Union
 import torch
 
 from engineprofiles.regions import STYLES, Point
+from engineprofiles.regions.attention import KVSplit
 from engineprofiles.regions.moe import check_moe_inputs
 from engineprofiles.regions.shared_expert import check_shared_inputs
 from engineprofiles.rounding import ACT_DTYPES
@@ -66,7 +67,7 @@ from engineprofiles.store import resolve
 from .errors import InputError, ProfileMismatch, RegionUnavailable
 from .ops._backend import BACKENDS, ENV_VAR, backend_for, current_backend, traced_backend_for, use_backend
 from .ops._utils import point_key
-from .ops.attention import ExactAttentionFunction, attention_op
+from .ops.attention import ExactAttentionFunction, attention_op, kv_split_key
 from .ops.moe import MoEFunction
 from .ops.shared_expert import SharedExpertFunction
 from .ops.rmsnorm import AddRMSNormFunction, RMSNormFunction, add_rmsnorm_op, rmsnorm_op
@@ -485,14 +486,19 @@ def _check_mask(mask: object, q: torch.Tensor, k: torch.Tensor) -> None:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, profile: ProfileLike, *, scale: float | None = None,
-              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+              attention_mask: torch.Tensor | None = None, kv_split: KVSplit | None = None) -> torch.Tensor:
     """Attention exactly as the profile's engine computes it (exact mode).
 
     q: [B, Hq, Tq, D], k and v: [B, Hk, Tk, D] in the activation dtype (Hk divides Hq);
     ``attention_mask``: None (causal, the queries being the last Tq positions) or HF's 4D mask
     ([B, 1, Tq, Tk], boolean or additive). ``scale`` defaults to D**-0.5. Returns [B, Hq, Tq, D].
     The backward is the gradient of FP32 softmax attention (the output rounding straight-through).
-    Every backend runs the bit-portable torch reference (no kernel)."""
+    Every backend runs the bit-portable torch reference (no kernel). ``kv_split``
+    (:class:`engineprofiles.regions.attention.KVSplit`): the engine splits long rows' keys across
+    threads (vLLM's CPU attention with ``VLLM_CPU_ATTN_SPLIT_KV=1``); each batch row is computed as
+    that engine computes one request alone, queries and keys as given (a decode step: one query)."""
+    if kv_split is not None and not isinstance(kv_split, KVSplit):
+        raise InputError(f"attention: kv_split must be a KVSplit or None, got {type(kv_split).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"attention: {name} must be a tensor, got {type(t).__name__}")
@@ -521,6 +527,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, profile: Profil
         raise InputError(f"attention: scale must be a number (or None for D**-0.5), got {type(scale).__name__}") from None
     with _fp32_math(q.device):
         if torch.compiler.is_compiling():
-            return attention_op(q, k, v, point_key(point), s, attention_mask)
-        return ExactAttentionFunction.apply(q, k, v, point, s, attention_mask)
+            return attention_op(q, k, v, point_key(point), s, attention_mask, kv_split_key(kv_split))
+        return ExactAttentionFunction.apply(q, k, v, point, s, attention_mask, kv_split)
 

@@ -26,6 +26,7 @@ from engineprofiles.extras import require
 from engineprofiles.names import MOE_FAMILY_NAMES, check_rope_scaling_name, is_safe_name
 from engineprofiles.metrics import Mismatch, mismatch
 from engineprofiles.models import FAMILIES
+from engineprofiles.regions.attention import KVSplit
 from engineprofiles.schema import Profile, with_points
 from engineprofiles.store import get_profile, shipped_names
 
@@ -419,6 +420,19 @@ def engine_profile(engine: str, cap: dict[str, Any], profile: str | None, *, cap
     return prof_name, prof, warnings
 
 
+def engine_kv_split(eng: dict[str, Any], prof: Profile) -> KVSplit | None:
+    """The split-KV plan of the captured engine (vLLM on CPU with ``VLLM_CPU_ATTN_SPLIT_KV=1`` and
+    more than one thread, as its capture records), for exact mode; None where it split nothing.
+    The AVX2 build merges the chunks with separate multiplies and adds (its kernel has no FMA
+    contraction, the profile's ``qk_dot`` says ``mul_add``), the AVX-512 build with FMAs."""
+    att = eng.get("attention") or {}
+    threads = att.get("torch_threads")
+    if eng.get("name") != "vllm" or not att.get("split_kv") or not isinstance(threads, int) or threads < 2:
+        return None
+    merge = "mul_add" if prof.available("attention") and prof.point("attention")["qk_dot"] == "mul_add" else "fma"
+    return KVSplit(threads=threads, merge=merge)
+
+
 def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | None = None, prompts: int = 4,
                  max_tokens: int = 16, seed: int = 0, env: str | None = None, workdir: str | None = None,
                  capture_file: str | None = None, note: Callable[[str], None] = lambda m: None,
@@ -448,6 +462,9 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                      **({"shared_expert": ("shared_expert",)} if EMULATED_FAMILIES[family].shared_expert else {}))
     for label, regs in ablations.items():
         variants.append((f"+ {label} only", combine(trainer, prof, regs), False))
+    kv_split = engine_kv_split(eng, prof) if exact else None
+    if kv_split is not None:
+        note(f"exact mode splits attention as the engine did: split-KV on, {kv_split.threads} threads")
     if exact:
         variants.append(("exact", prof, True))
     seqs = cap["sequences"]
@@ -455,7 +472,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     lpre = torch.tensor([x for s in seqs for x in s["prompt_logprobs"][1:]], dtype=torch.float32)
     for label, p, ex in variants:
         note(f"trainer: {label}")
-        handle = apply_profile(model, p, exact=ex) if p is not None else None
+        handle = apply_profile(model, p, exact=ex, kv_split=kv_split if ex else None) if p is not None else None
         try:
             samp, full = zip(*(sequence_logprobs(model, s) for s in seqs))
         finally:
@@ -470,7 +487,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
         sampler = eng.get("decode_logprob_formula")
         formulas = ("log_softmax",) + ((sampler,) if sampler in LOGPROB_FORMULAS and sampler != "log_softmax" else ())
         note("trainer: exact, decoded")
-        handle = apply_profile(model, prof, exact=True)
+        handle = apply_profile(model, prof, exact=True, kv_split=kv_split)
         try:
             per_seq = [decoded_logprobs(model, s, formulas) for s in seqs]
         finally:
@@ -499,7 +516,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     # in its capture: the exact trainer's logits through the engine's own formula show what is left.
     formula = eng.get("logprob_formula")
     if exact and formula in LOGPROB_FORMULAS:
-        handle = apply_profile(model, prof, exact=True)
+        handle = apply_profile(model, prof, exact=True, kv_split=kv_split)
         try:
             full = torch.cat([sequence_logprobs(model, s, formula)[1] for s in seqs])
         finally:

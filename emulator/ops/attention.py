@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from engineprofiles.regions import Point, attention_fp32, attention_ref
+from engineprofiles.regions.attention import KVSplit
 
 from ..errors import InputError
 from ._utils import autograd_in_op, owned, point_from_key
@@ -45,27 +46,43 @@ def allowed_from_mask(mask: torch.Tensor | None, b: int, tq: int, tk: int, devic
 
 
 def _one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, scale: float,
-             allowed: torch.Tensor | None) -> torch.Tensor:
+             allowed: torch.Tensor | None, kv_split: KVSplit | None = None) -> torch.Tensor:
     """q [Hq, Tq, D], k/v [Hk, Tk, D] of one batch row -> [Hq, Tq, D]."""
     qe, ke, ve = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # engine layout [T, H, D]
     if allowed is None:
-        return attention_ref(qe, ke, ve, point, scale=scale).transpose(0, 1)
+        return attention_ref(qe, ke, ve, point, scale=scale, kv_split=kv_split).transpose(0, 1)
     keep = allowed[-1] if bool(allowed[-1].any()) else allowed.any(0)
     idx = keep.nonzero()[:, 0]
-    out = attention_ref(qe, ke[idx], ve[idx], point, scale=scale, mask=allowed[:, idx])
+    out = attention_ref(qe, ke[idx], ve[idx], point, scale=scale, mask=allowed[:, idx], kv_split=kv_split)
     return out.transpose(0, 1)
 
 
 def exact_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, scale: float,
-                  mask: torch.Tensor | None) -> torch.Tensor:
-    """q [B, Hq, Tq, D], k/v [B, Hk, Tk, D] -> [B, Hq, Tq, D] in the activation dtype."""
+                  mask: torch.Tensor | None, kv_split: KVSplit | None = None) -> torch.Tensor:
+    """q [B, Hq, Tq, D], k/v [B, Hk, Tk, D] -> [B, Hq, Tq, D] in the activation dtype. ``kv_split``:
+    each batch row is one request alone in the engine, its rows split as :class:`KVSplit` plans."""
     if q.numel() == 0:  # no batch row, head, query or lane: an empty output, nothing to compute
         return q.new_zeros(q.shape)
     outs = []
     for b in range(q.shape[0]):
         allowed = allowed_from_mask(mask, b, q.shape[2], k.shape[2], q.device)
-        outs.append(_one_row(q[b], k[b], v[b], point, scale, allowed))
+        outs.append(_one_row(q[b], k[b], v[b], point, scale, allowed, kv_split))
     return torch.stack(outs)
+
+
+def kv_split_key(kv_split: KVSplit | None) -> str:
+    """A string for the custom op ("" for none); :func:`kv_split_from_key` gives it back."""
+    if kv_split is None:
+        return ""
+    return (f"threads={kv_split.threads},max_q_heads_per_iter={kv_split.max_q_heads_per_iter},"
+            f"kv_block_alignment={kv_split.kv_block_alignment},merge={kv_split.merge}")
+
+
+def kv_split_from_key(key: str) -> KVSplit | None:
+    if not key:
+        return None
+    kw = dict(kv.split("=", 1) for kv in key.split(","))
+    return KVSplit(**{k: (v if k == "merge" else int(v)) for k, v in kw.items()})
 
 
 def fp32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
@@ -95,16 +112,16 @@ def exact_backward(q, k, v, grad, scale: float, mask, need: tuple[bool, bool, bo
 
 class ExactAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, point, scale, mask):  # type: ignore[override]
+    def forward(ctx, q, k, v, point, scale, mask, kv_split=None):  # type: ignore[override]
         ctx.save_for_backward(q, k, v)
         ctx.point, ctx.scale, ctx.mask = point, scale, mask
-        return exact_forward(q, k, v, point, scale, mask)
+        return exact_forward(q, k, v, point, scale, mask, kv_split)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v = ctx.saved_tensors
         dq, dk, dv = exact_backward(q, k, v, grad, ctx.scale, ctx.mask, tuple(ctx.needs_input_grad[:3]))
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 # -- torch.compile: the same forward and backward as opaque custom ops (see _utils.point_key) ---
@@ -112,12 +129,12 @@ class ExactAttentionFunction(torch.autograd.Function):
 
 @torch.library.custom_op("emulator::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: str, scale: float,
-                 mask: torch.Tensor | None) -> torch.Tensor:
-    return owned(exact_forward(q, k, v, point_from_key(point), scale, mask), q, k, v, mask)
+                 mask: torch.Tensor | None, kv_split: str = "") -> torch.Tensor:
+    return owned(exact_forward(q, k, v, point_from_key(point), scale, mask, kv_split_from_key(kv_split)), q, k, v, mask)
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, point, scale, mask):
+def _attention_fake(q, k, v, point, scale, mask, kv_split=""):
     return q.new_empty(q.shape)
 
 
@@ -136,7 +153,7 @@ def _attention_bwd_fake(q, k, v, grad, scale, mask, need):
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, _, scale, mask = inputs
+    q, k, v, _, scale, mask, *_ = inputs
     ctx.save_for_backward(q, k, v, mask)
     ctx.scale = scale
 
@@ -145,7 +162,7 @@ def _attention_op_backward(ctx, grad):
     q, k, v, mask = ctx.saved_tensors
     need = [bool(n) for n in ctx.needs_input_grad[:3]]
     dq, dk, dv = attention_bwd_op(q, k, v, grad, ctx.scale, mask, need)
-    return (*(g if n else None for g, n in zip((dq, dk, dv), need)), None, None, None)
+    return (*(g if n else None for g, n in zip((dq, dk, dv), need)), None, None, None, None)
 
 
 attention_op.register_autograd(_attention_op_backward, setup_context=_attention_setup)

@@ -11,11 +11,14 @@ from engineprofiles.rounding import ACT_DTYPES
 from engineprofiles.schema import Profile
 from engineprofiles.store import get_profile, names_engine
 
+from engineprofiles.regions.attention import KVSplit
+
 from ..errors import (
     AlreadyPatched,
     CapabilityMismatch,
     ExactModeUnavailable,
     InexactEvidence,
+    InputError,
     ProfileMismatch,
     RegionUnavailable,
     UnsupportedModel,
@@ -205,7 +208,7 @@ def _model_device(model: torch.nn.Module) -> torch.device | None:
 
 
 def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native: bool = True,
-                  exact: bool = False, record: bool = False) -> PatchHandle:
+                  exact: bool = False, record: bool = False, kv_split: KVSplit | int | None = None) -> PatchHandle:
     """Patch ``model`` (a HF transformers Qwen2/Qwen2.5, Qwen3, Llama, Mistral, Qwen3-MoE or Qwen2-MoE model, possibly
     wrapped by PEFT or FSDP2) in place so that RoPE, SwiGLU and the residual RMSNorm round where ``profile``
     says; in a Qwen3-MoE model the sparse MoE blocks' experts also compute at the profile's ``moe`` point
@@ -263,7 +266,26 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     matmuls the forward reproduces the engine's log-probs bit for bit where the profile's evidence
     says it can. Refused (:class:`ExactModeUnavailable`, nothing changed) for a profile without
     measured attention, sliding-window attention or attention dropout; a profile probed on another
-    CPU capability is a :class:`CapabilityMismatch` warning."""
+    CPU capability is a :class:`CapabilityMismatch` warning.
+
+    ``kv_split`` (exact mode, a vLLM CPU profile): the engine ran with ``VLLM_CPU_ATTN_SPLIT_KV=1``
+    (vLLM's default) and this many OpenMP threads (an int, or a
+    :class:`engineprofiles.regions.attention.KVSplit`): attention computes each batch row as vLLM
+    computes one request alone, splitting the keys of a last query tile of one token (every decode
+    step) across the threads as its scheduler does and merging the chunks as its kernel does. The
+    split depends on the call's shape: a forward of one query over a KV cache reproduces a decode
+    step; a forward of the whole sequence reproduces the engine's prefill of it. None (default): no
+    row is split (``VLLM_CPU_ATTN_SPLIT_KV=0``, or one thread)."""
+    if kv_split is not None:
+        if isinstance(kv_split, int) and not isinstance(kv_split, bool):
+            if kv_split < 1:
+                raise InputError(f"apply_profile: kv_split is the engine's thread count, a positive integer; got {kv_split}")
+            kv_split = KVSplit(threads=kv_split)
+        if not isinstance(kv_split, KVSplit):
+            raise InputError(f"apply_profile: kv_split must be the engine's thread count (int), a KVSplit or None; "
+                             f"got {type(kv_split).__name__}")
+        if not exact:
+            raise InputError("apply_profile: kv_split is part of exact mode's attention; pass exact=True with it")
     if not isinstance(model, torch.nn.Module):
         raise UnsupportedModel(
             f"apply_profile patches a model (a torch.nn.Module: a HF transformers {families_text()}); "
@@ -293,6 +315,10 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     shared_point = _shared_point(prof, decoders)
     _check_patchable(model, decoders)
     exact_point = _check_exact(model, decoders, prof) if exact else None
+    if kv_split is not None and (prof.engine.name != "vllm" or prof.engine.device != "cpu"):
+        raise ExactModeUnavailable(
+            f"kv_split models vLLM's CPU attention scheduler; profile {prof.canonical_name} is of "
+            f"{prof.engine.name} on {prof.engine.device}")
 
     fam = decoders[0].family
     # FP32 master weights (mixed precision): HF's own modules do not round as with weights stored in the
@@ -313,6 +339,7 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
         native=tuple(r for r in REGIONS if not (emulate[r] or (r == "rope" and attention))),
     )
     handle.exact = exact
+    handle.kv_split = kv_split
     handle.skip_native = skip_native
     # Exact mode for an engine that compiled its regions with Inductor: the norms' FP32 reduction
     # in Inductor's order (the other regions have none). On CPU, where that engine ran.
@@ -327,7 +354,8 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     raw = {r: prof.point(r) for r in REGIONS}  # as the profile writes them (the forwards compute these)
     try:
         for d in decoders:
-            _patch_decoder(handle, d, raw, act, emulate, attention, exact_point, norm_backend, moe_point, shared_point)
+            _patch_decoder(handle, d, raw, act, emulate, attention, exact_point, norm_backend, moe_point, shared_point,
+                           kv_split)
             if handle.native:  # torch.compile is refused (guard.py), wherever it starts; eagerly nothing more is needed
                 refuse = refusal_hook(native_message(handle.native, prof.canonical_name))
                 for mod in _region_modules(d):
@@ -357,7 +385,7 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
 def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], act: torch.dtype,
                    emulate: dict[str, bool], attention: bool, exact_point: Point | None = None,
                    norm_backend: str | None = None, moe_point: Point | None = None,
-                   shared_point: Point | None = None) -> None:
+                   shared_point: Point | None = None, kv_split: KVSplit | None = None) -> None:
     c, p, layers = d.classes, d.path, d.layers
     ACTIVE[d.module] = handle
     handle._undo.append(lambda: ACTIVE.pop(d.module, None))
@@ -395,7 +423,7 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], ac
         for i, layer in enumerate(layers):
             handle._bind(f"{p}.layers.{i}.self_attn", layer.self_attn,
                          fw.attention(points["rope"], act, d.family.qk_norm, c["eager_attention"], d.family.name,
-                                      f"{p}.layers.{i}.self_attn", exact_point, rope=d.rope,
+                                      f"{p}.layers.{i}.self_attn", exact_point, rope=d.rope, kv_split=kv_split,
                                       profile_name=handle.profile.canonical_name))
     if emulate["add_rmsnorm"]:
         # The residual stream's state lives on the modules (a deepcopy of the model gets its own).

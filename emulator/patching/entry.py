@@ -31,6 +31,7 @@ probe needs no file on the loading machine) and the options (``skip_native``, ``
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 import warnings
@@ -73,6 +74,7 @@ def record(handle: PatchHandle) -> None:
         "name": handle.profile.canonical_name,
         "skip_native": handle.skip_native,
         "exact": handle.exact,
+        "kv_split": None if handle.kv_split is None else dataclasses.asdict(handle.kv_split),
         "profile": handle.profile.to_yaml(),
     })
 
@@ -85,7 +87,7 @@ def record(handle: PatchHandle) -> None:
     handle._undo.append(undo)
 
 
-def recorded_profile(model_or_config: Any) -> tuple[Profile, dict[str, bool]] | None:
+def recorded_profile(model_or_config: Any) -> tuple[Profile, dict[str, Any]] | None:
     """The profile recorded in a model's (or a config's) ``emulator_profile`` and the options it was
     applied with; None when none is recorded. A record that is not one is a ProfileError."""
     from engineprofiles.errors import ProfileError
@@ -104,6 +106,15 @@ def recorded_profile(model_or_config: Any) -> tuple[Profile, dict[str, bool]] | 
         if not isinstance(v, bool):
             raise ProfileError(f"{k} must be true or false, got {v!r}", source=source, field=k)
         options[k] = v
+    split = rec.get("kv_split")
+    if split is not None:
+        from engineprofiles.regions.attention import KVSplit
+
+        try:
+            options["kv_split"] = KVSplit(**split)
+        except (TypeError, ValueError) as e:
+            raise ProfileError(f"kv_split must be a KVSplit's fields (threads, ...): {e}", source=source,
+                               field="kv_split") from None
     return profile_from_yaml(rec["profile"], source), options
 
 

@@ -37,6 +37,7 @@ class PatchHandle:
         self.native = native
         self.modules: list[str] = []
         self.exact = False  # exact mode: attention computed as the profile's engine computes it
+        self.kv_split = None  # exact mode: the engine's split-KV plan (a KVSplit), None for none
         self.skip_native = True  # apply_profile's option (recorded in the config with record=True)
         self.norm_backend: str | None = None  # exact mode: the norms' emulator backend
         self._undo: list[Callable[[], None]] = []
