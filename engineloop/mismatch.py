@@ -534,9 +534,11 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                 f"{report.engine_decode_equals_prefill:.2%} of them: no single trainer forward can match both (a "
                 "re-score in one prefill matches the prefill; --exact also decodes the sampled tokens one at a time "
                 "as the engine did: row 'exact, decoded')"
-                + (" (vLLM's CPU attention splits long decode contexts across threads with VLLM_CPU_ATTN_SPLIT_KV=1, "
-                   "which exact mode's attention does not compute; run the engine with VLLM_CPU_ATTN_SPLIT_KV=0)"
-                   if split else "")
+                + (" (vLLM's CPU attention splits long decode contexts across threads with VLLM_CPU_ATTN_SPLIT_KV=1; "
+                   f"exact mode splits them as it did, from the {kv_split.threads} threads the capture records)"
+                   if split and kv_split is not None else
+                   " (vLLM's CPU attention splits long decode contexts across threads with VLLM_CPU_ATTN_SPLIT_KV=1; "
+                   "--exact splits them as it did)" if split else "")
                 + (f" ({why})" if why else ""))
     if batch_check:
         report.batch_check = batch_invariance(cap)

@@ -314,3 +314,76 @@ def test_exact_mode_says_when_the_stack_cannot_be_one_graph_and_still_trains():
     g = model.model.layers[0].self_attn.q_proj.weight.grad
     assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
     h.remove()
+
+
+# -- kv_split: vLLM's CPU split-KV decode (VLLM_CPU_ATTN_SPLIT_KV=1) --------------------------------
+
+
+def test_attention_with_kv_split_is_the_reference_with_it_eager_and_compiled():
+    from engineprofiles.regions.attention import KVSplit
+
+    split = KVSplit(threads=4)
+    q, k, v = qkv(b=2, hq=8, hk=2, tq=1, tk=300, seed=5)
+    assert split.plan(1, 300, 8, 2)  # the decode row is split
+    out = F.attention(q, k, v, POINT, scale=0.125, kv_split=split)
+    for b in range(2):
+        want = attention_ref(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), POINT, scale=0.125,
+                             kv_split=split)
+        assert_same_bits(out[b], want.transpose(0, 1), f"row {b}")
+    compiled = torch.compile(lambda q, k, v: F.attention(q, k, v, POINT, scale=0.125, kv_split=split), fullgraph=True)
+    assert_same_bits(compiled(q, k, v), out, "compiled (the custom op carries the split)")
+    with pytest.raises(InputError, match="kv_split must be a KVSplit"):
+        F.attention(q, k, v, POINT, scale=0.125, kv_split=4)
+
+
+def test_apply_profile_kv_split_refuses_bad_input_and_changes_nothing():
+    from .helpers import assert_untouched, model_state
+
+    model = tiny_model("qwen2", seed=0)
+    before = model_state(model)
+    for bad, exc, msg in ((dict(exact=False, kv_split=2), InputError, "pass exact=True"),
+                          (dict(exact=True, kv_split=0), InputError, "positive integer"),
+                          (dict(exact=True, kv_split="2"), InputError, "thread count"),
+                          (dict(exact=True, kv_split=2, profile="sglang-0.5.23-cpu-eager-bfloat16-insitu"),
+                           ExactModeUnavailable, "vLLM's CPU attention scheduler")):
+        prof = bad.pop("profile", ENGINE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CapabilityMismatch)
+            with pytest.raises(exc, match=msg):
+                emulator.apply_profile(model, prof, **bad)
+        assert_untouched(model, before)
+
+
+def test_exact_mode_with_kv_split_decodes_as_the_split_engine_and_records_it():
+    """Decode steps over a context long enough to split: the split changes some logits (the engine's
+    split decode is not its prefill), the prompt's forward is unchanged (no row of a 40-token prefill
+    is split), and the split is recorded with the profile."""
+    from engineprofiles.regions.attention import KVSplit
+
+    model = tiny_model("qwen2", seed=1)
+    ids = torch.randint(0, 256, (1, 140), generator=torch.Generator().manual_seed(2))
+
+    def decode(kv_split):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CapabilityMismatch)
+            h = emulator.apply_profile(model, ENGINE, exact=True, kv_split=kv_split, record=kv_split is not None)
+        try:
+            with torch.no_grad():
+                out = model(ids[:, :40], use_cache=True)
+                rows, cache, prompt = [], out.past_key_values, out.logits
+                for t in range(40, 140):
+                    out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                    cache = out.past_key_values
+                    rows.append(out.logits[:, -1])
+            recorded = emulator.patching.entry.recorded_profile(model) if kv_split is not None else None
+            return prompt, torch.stack(rows, 1), recorded
+        finally:
+            h.remove()
+
+    p0, plain, _ = decode(None)
+    p1, split, recorded = decode(4)
+    assert_same_bits(p1, p0, "the prompt's forward")
+    differ = (split != plain).any(-1)[0]
+    assert differ.any(), "no decode step changed: the split was not computed"
+    assert not differ[:8].any(), "a context of 40-48 keys is not split by 4 threads"
+    assert recorded[1]["kv_split"] == KVSplit(threads=4) and recorded[1]["exact"] is True

@@ -426,3 +426,80 @@ def test_a_profile_without_the_output_variant_means_nearest_and_keeps_its_bytes(
 
 def test_the_lattice_counts_its_points():
     assert len(ATTENTION_SPEC.all_points()) == len(ATTENTION_SPEC.all_points(canonical=False)) == 12960
+
+
+# -- KVSplit: vLLM's CPU split-KV decode (the plan and merge are checked against the kernel op in
+# tests/engines/test_split_kv_attention.py; here what holds whatever the engine) -----------------
+
+
+def test_kv_split_refuses_bad_fields():
+    from engineprofiles.regions.attention import KVSplit
+
+    for bad in (dict(threads=0), dict(threads=2.0), dict(threads=True), dict(threads=2, kv_block_alignment=24),
+                dict(threads=2, merge="fused"), dict(threads=2, max_q_heads_per_iter=0)):
+        with pytest.raises(ValueError, match="KVSplit"):
+            KVSplit(**bad)
+
+
+def test_kv_split_plans_chunks_that_cover_the_keys_in_order():
+    from engineprofiles.regions.attention import KVSplit
+
+    rng = random.Random(0)
+    seen_split = 0
+    for _ in range(400):
+        threads = rng.randint(1, 8)
+        hk = rng.choice((1, 2, 4, 8))
+        hq = hk * rng.choice((1, 2, 3, 4, 7))
+        tk = rng.randint(1, 3000)
+        tq = rng.choice((1, 1, 1, rng.randint(1, tk)))
+        s = KVSplit(threads=threads)
+        plan = s.plan(tq, tk, hq, hk)
+        if threads == 1:
+            assert plan == []  # one thread: nothing to split across
+        for row, ranges in plan:
+            seen_split += 1
+            assert row == tq - 1  # only a last query tile of one token, the last query
+            assert len(ranges) >= 2 and len(ranges) <= threads
+            assert ranges[0][0] == 0 and ranges[-1][1] == tk
+            for (a, b), (c, _) in zip(ranges, ranges[1:]):
+                assert b == c and a < b and a % s.kv_block_alignment == 0
+    assert seen_split > 50
+
+
+def test_a_split_row_is_attention_merged_from_its_chunks():
+    """The split rows are softmax attention still (close to FP64), other rows are bit-equal to the
+    unsplit reference, and a split changes some BF16 outputs (what the split model is for)."""
+    from engineprofiles.regions.attention import KVSplit
+
+    g = torch.Generator().manual_seed(3)
+    tq, tk, hq, hk, d = 1, 700, 32, 8, 64
+    changed = 0
+    for seed in range(4):
+        q = torch.randn(tq, hq, d, generator=g).bfloat16()
+        k = torch.randn(tk, hk, d, generator=g).bfloat16()
+        v = torch.randn(tk, hk, d, generator=g).bfloat16()
+        split = KVSplit(threads=4)
+        assert len(split.plan(tq, tk, hq, hk)[0][1]) == 4
+        for merge in ("fma", "mul_add"):
+            got = attention_ref(q, k, v, VLLM_CPU, scale=0.125, kv_split=KVSplit(threads=4, merge=merge))
+            want = attention_fp32(q, k, v, scale=0.125, dtype=torch.float64)
+            assert (got.double() - want).abs().max() < 2 ** -7 * want.abs().max()
+        plain = attention_ref(q, k, v, VLLM_CPU, scale=0.125)
+        changed += int((got.view(torch.int16) != plain.view(torch.int16)).sum())
+        # a prefill whose last query tile has one token (8 query heads per iteration, groups of 4: tiles of two
+        # tokens) may split that row when the threads' shares run out there: it is the last, the others untouched
+        n = next(n for n in range(3, 400, 2) if split.plan(n, tk, hq, hk))
+        qn = torch.randn(n, hq, d, generator=g).bfloat16()
+        assert [r for r, _ in split.plan(n, tk, hq, hk)] == [n - 1]
+        a = attention_ref(qn, k, v, VLLM_CPU, scale=0.125, kv_split=split)
+        b = attention_ref(qn, k, v, VLLM_CPU, scale=0.125)
+        assert torch.equal(a[:-1].view(torch.int16), b[:-1].view(torch.int16))
+    assert changed > 0
+
+
+def test_kv_split_is_refused_where_the_point_normalizes_early():
+    from engineprofiles.regions.attention import KVSplit
+
+    q, k, v = (torch.randn(1, 2, 16).bfloat16(), torch.randn(300, 1, 16).bfloat16(), torch.randn(300, 1, 16).bfloat16())
+    with pytest.raises(ValueError, match="split-KV plan"):
+        attention_ref(q, k, v, VLLM_CPU.replace(probs="rounded"), scale=0.25, kv_split=KVSplit(threads=4))

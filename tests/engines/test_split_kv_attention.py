@@ -1,0 +1,58 @@
+"""exact mode's split-KV model (engineprofiles.regions.attention.KVSplit) against vLLM's CPU attention
+kernel op with ``enable_kv_split`` (the engine's default, VLLM_CPU_ATTN_SPLIT_KV=1): the scheduler's plan
+of every call and the kernel's BF16 output on the rows it splits (scripts/check_split_kv_attention.py).
+A missing engine environment is a failure; the AVX2 build is checked by emulation on an AVX-512 host and
+skipped, saying so, elsewhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .envs import REPO, require_env
+from .test_exact_mode_avx2 import _host_has_avx512
+
+VERSION = "0.32.0"
+
+
+def _check(tmp_path, wrap: list[str]) -> dict:
+    env = require_env("vllm", VERSION)
+    out = tmp_path / "split.json"
+    r = subprocess.run([*wrap, str(env / "bin" / "python"), str(REPO / "scripts" / "check_split_kv_attention.py"),
+                        "--quick", "--json", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    sys.stdout.write(r.stdout[-3000:])
+    assert out.exists(), f"check_split_kv_attention.py failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
+    d = json.loads(out.read_text())
+    assert d["plans_equal"] == d["plans"] > 0, d["plan_differences"]
+    assert d["split_plans"] > 0, d  # some calls were split: the plan was tested where it matters
+    o = d["outputs"]
+    merge = o[f"merge_{d['build_merge']}"]
+    assert merge["matched"] == merge["total"] > 0, o
+    # and the check could fail: without the split the rows differ somewhere, as with the other merge
+    other = o["merge_mul_add" if d["build_merge"] == "fma" else "merge_fma"]
+    assert o["not_split"]["matched"] < o["not_split"]["total"], o
+    assert other["matched"] < other["total"], o
+    assert r.returncode == 0 and d["ok"]
+    return d
+
+
+@pytest.mark.engine
+def test_kv_split_is_vllms_split_kv_plan_and_merge(tmp_path):
+    d = _check(tmp_path, [])
+    if d["cpu_capability"].startswith("AVX512"):
+        assert d["build_merge"] == "fma", d
+
+
+@pytest.mark.engine
+def test_kv_split_is_vllms_split_kv_plan_and_merge_in_the_emulated_avx2_build(tmp_path):
+    if not _host_has_avx512():
+        reason = "this host has no AVX-512: AVX2 is emulated only on an AVX-512 host (scripts/emulate_cpu.sh)"
+        print(f"SKIPPED (not a pass): {reason}")
+        pytest.skip(reason)
+    d = _check(tmp_path, [str(REPO / "scripts" / "emulate_cpu.sh"), "avx2"])
+    assert d["kernel_libraries"] == ["_C_AVX2.abi3.so"] and d["build_merge"] == "mul_add", d
