@@ -16,13 +16,15 @@ _PATCHING = ("apply_profile", "PatchHandle", "handle_of", "apply_recorded_profil
              "patch_family", "ClassPatch")
 
 __all__ = [
-    "functional", *_PATCHING, "patch_qwen2", "patch_qwen3", "patch_llama", "patch_mistral", "patch_qwen3_moe",
+    "functional", "as_sampled", *_PATCHING, "patch_qwen2", "patch_qwen3", "patch_llama", "patch_mistral", "patch_qwen3_moe",
     "patch_qwen2_moe",
     "EmulatorError", "RegionUnavailable", "ProfileMismatch", "BackendError", "InputError",
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "as_sampled":  # exact mode with kv_split: one forward as the engine sampled
+        return importlib.import_module(".ops.attention", __name__).as_sampled
     if name == "functional":
         return importlib.import_module(".functional", __name__)
     if name in _PATCHING or name.startswith("patch_"):  # model patching (emulator/patching/); patch_<family>

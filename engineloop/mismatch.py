@@ -493,6 +493,21 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
         finally:
             handle.remove()
         report.rows.append(("exact, decoded", mismatch(le, torch.cat([d[0] for d in per_seq]))))
+        if kv_split is not None:
+            # one forward per sequence, as a trainer scores it, with the completion's rows split as the engine's
+            # decode steps split them (emulator.as_sampled)
+            from emulator import as_sampled
+
+            note("trainer: exact, one forward as sampled")
+            handle = apply_profile(model, prof, exact=True, kv_split=kv_split)
+            try:
+                samp = []
+                for s in seqs:
+                    with as_sampled(len(s["prompt"])):
+                        samp.append(sequence_logprobs(model, s)[0])
+            finally:
+                handle.remove()
+            report.rows.append(("exact, one forward as sampled", mismatch(le, torch.cat(samp))))
         if len(formulas) > 1:
             report.rows.append(("exact, decoded, engine's log-prob formula",
                                 mismatch(le, torch.cat([d[1] for d in per_seq]))))

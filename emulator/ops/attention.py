@@ -18,6 +18,10 @@ see no key get zeros.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Iterator
+
 import torch
 
 from engineprofiles.regions import Point, attention_fp32, attention_ref
@@ -45,15 +49,60 @@ def allowed_from_mask(mask: torch.Tensor | None, b: int, tq: int, tk: int, devic
     return m[-tq:, -tk:].to(device).expand(tq, tk)
 
 
+_PROMPT_LENGTHS: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar("emulator_prompt_lengths",
+                                                                                         default=None)
+
+
+@contextlib.contextmanager
+def as_sampled(prompt_lengths: int | list[int] | tuple[int, ...]) -> Iterator[None]:
+    """Within it, exact mode with ``kv_split`` computes each sequence's attention as the engine computed
+    it while sampling: the first ``prompt_lengths[b]`` tokens of batch row ``b`` (not counting padding)
+    in one prefill, each later position as a decode step of its own, so that one forward over prompt
+    and completion gives the rows the engine's decode gave (its split-KV decode is not its prefill).
+    An int is every row's prompt length. Without ``kv_split`` attention does not depend on it (the
+    engine's decode and prefill attention agree). Not thread-local beyond Python's contextvars."""
+    if isinstance(prompt_lengths, (list, tuple)):
+        lengths = tuple(prompt_lengths)
+    else:
+        lengths = (prompt_lengths,)
+    if not lengths or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in lengths):
+        raise InputError(f"as_sampled: prompt lengths are positive integers (one per batch row, or one for all); got "
+                         f"{prompt_lengths!r}")
+    token = _PROMPT_LENGTHS.set(lengths)
+    try:
+        yield
+    finally:
+        _PROMPT_LENGTHS.reset(token)
+
+
+def _prompt_len(b: int, batch: int) -> int | None:
+    lengths = _PROMPT_LENGTHS.get()
+    if lengths is None:
+        return None
+    if len(lengths) == 1:
+        return lengths[0]
+    if len(lengths) != batch:
+        raise InputError(f"as_sampled: {len(lengths)} prompt lengths for a batch of {batch} rows")
+    return lengths[b]
+
+
 def _one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, scale: float,
-             allowed: torch.Tensor | None, kv_split: KVSplit | None = None) -> torch.Tensor:
+             allowed: torch.Tensor | None, kv_split: KVSplit | None = None,
+             prompt_len: int | None = None) -> torch.Tensor:
     """q [Hq, Tq, D], k/v [Hk, Tk, D] of one batch row -> [Hq, Tq, D]."""
     qe, ke, ve = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # engine layout [T, H, D]
+    if kv_split is None:
+        prompt_len = None
+    if prompt_len is not None and allowed is None and prompt_len > k.shape[1]:
+        raise InputError(f"as_sampled: a prompt of {prompt_len} tokens in a row of {k.shape[1]} tokens")
     if allowed is None:
-        return attention_ref(qe, ke, ve, point, scale=scale, kv_split=kv_split).transpose(0, 1)
+        return attention_ref(qe, ke, ve, point, scale=scale, kv_split=kv_split, prompt_len=prompt_len).transpose(0, 1)
     keep = allowed[-1] if bool(allowed[-1].any()) else allowed.any(0)
     idx = keep.nonzero()[:, 0]
-    out = attention_ref(qe, ke[idx], ve[idx], point, scale=scale, mask=allowed[:, idx], kv_split=kv_split)
+    if prompt_len is not None and prompt_len > len(idx):
+        raise InputError(f"as_sampled: a prompt of {prompt_len} tokens in a row of {len(idx)} tokens")
+    out = attention_ref(qe, ke[idx], ve[idx], point, scale=scale, mask=allowed[:, idx], kv_split=kv_split,
+                        prompt_len=prompt_len)
     return out.transpose(0, 1)
 
 
@@ -66,7 +115,7 @@ def exact_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Poin
     outs = []
     for b in range(q.shape[0]):
         allowed = allowed_from_mask(mask, b, q.shape[2], k.shape[2], q.device)
-        outs.append(_one_row(q[b], k[b], v[b], point, scale, allowed, kv_split))
+        outs.append(_one_row(q[b], k[b], v[b], point, scale, allowed, kv_split, _prompt_len(b, q.shape[0])))
     return torch.stack(outs)
 
 

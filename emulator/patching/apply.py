@@ -315,10 +315,10 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     shared_point = _shared_point(prof, decoders)
     _check_patchable(model, decoders)
     exact_point = _check_exact(model, decoders, prof) if exact else None
-    if kv_split is not None and (prof.engine.name != "vllm" or prof.engine.device != "cpu"):
+    if kv_split is not None and (prof.engine.name != "vllm" or prof.engine.backend != "cpu"):
         raise ExactModeUnavailable(
             f"kv_split models vLLM's CPU attention scheduler; profile {prof.canonical_name} is of "
-            f"{prof.engine.name} on {prof.engine.device}")
+            f"{prof.engine.name} on {prof.engine.backend}")
 
     fam = decoders[0].family
     # FP32 master weights (mixed precision): HF's own modules do not round as with weights stored in the

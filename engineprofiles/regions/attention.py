@@ -54,6 +54,7 @@ It is written for clarity, not speed: exact mode pays for it (scripts/bench_exac
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -326,7 +327,8 @@ def causal_mask(tq: int, tk: int, device: torch.device | str = "cpu") -> torch.T
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, *, scale: float,
-                  mask: torch.Tensor | None = None, kv_split: "KVSplit | None" = None) -> torch.Tensor:
+                  mask: torch.Tensor | None = None, kv_split: "KVSplit | None" = None,
+                  prompt_len: int | None = None) -> torch.Tensor:
     """Reference attention of one sequence at ``point``.
 
     q: [Tq, Hq, D], k and v: [Tk, Hk, D] in the activation dtype (Hq a multiple of Hk: grouped
@@ -335,6 +337,9 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Poin
     sequence, which fixes its lane in the lanes16 sums. Rows that see no key give zeros.
     ``kv_split``: the engine splits some rows' keys into chunks computed apart and merged
     (:class:`KVSplit`, vLLM's CPU attention with ``VLLM_CPU_ATTN_SPLIT_KV=1``); None: no row is split.
+    The split rows are those of this call as one engine call (``prompt_len`` None), or of the sequence
+    as the engine sampled it (its first ``prompt_len`` keys a prefill, each later row a decode step:
+    :meth:`KVSplit.sampled_rows`).
     Returns [Tq, Hq, D] in the activation dtype."""
     dt = act_dtype(q.dtype)
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1]:
@@ -371,7 +376,12 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Poin
     if point["probs"] == ROUNDED:  # site: probs
         p = round_to(p, dt)
     out = _dot(p, vh, point["pv_dot"])  # [Hq, Tq, D]
-    plan = kv_split.plan(tq, tk, hq, hk) if kv_split is not None else []
+    if kv_split is None:
+        plan = []
+    elif prompt_len is None:
+        plan = kv_split.plan(tq, tk, hq, hk)
+    else:  # each row's position: the keys it sees, less one (causal)
+        plan = kv_split.sampled_rows(prompt_len, (mask.sum(-1) - 1).tolist(), hq, hk)
     if plan and (point["normalize"] == "before_pv" or point["probs"] == ROUNDED):
         raise ValueError("attention_ref: a split-KV plan is defined for points that normalize at the end with FP32 "
                          f"weights (vLLM's CPU kernel), not normalize={point['normalize']} probs={point['probs']}")
@@ -482,6 +492,30 @@ class KVSplit:
                     raise AssertionError("split plan with one chunk")
                 return [(t0, ranges)]
         return []
+
+
+    def sampled_rows(self, prompt_len: int, positions: list[int], hq: int, hk: int) -> list[tuple[int, list[tuple[int, int]]]]:
+        """The split rows of a sequence as the engine sampled it: its first ``prompt_len`` positions
+        in one prefill (whose last query may be split), every later position in a decode step of its
+        own (one query over the keys up to it). ``positions``: each query row's position (-1: a row
+        that sees no key, e.g. padding); returns (query row, chunks) for each split row."""
+        if not isinstance(prompt_len, int) or isinstance(prompt_len, bool) or prompt_len < 1:
+            raise ValueError(f"a prompt length is a positive integer, got {prompt_len!r}")
+        prefill = dict(self.plan(prompt_len, prompt_len, hq, hk))
+        out = []
+        for row, pos in enumerate(positions):
+            if pos < 0:
+                continue
+            if pos < prompt_len:
+                if pos in prefill:
+                    out.append((row, prefill[pos]))
+            else:
+                out += [(row, ranges) for _, ranges in self._decode_plan(pos + 1, hq, hk)]
+        return out
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 - a frozen, hashable dataclass; plans are small
+    def _decode_plan(self, tk: int, hq: int, hk: int) -> list[tuple[int, list[tuple[int, int]]]]:
+        return self.plan(1, tk, hq, hk)
 
 
 def _split_row(logits: torch.Tensor, seen: torch.Tensor, vh: torch.Tensor, ranges: list[tuple[int, int]],

@@ -387,3 +387,56 @@ def test_exact_mode_with_kv_split_decodes_as_the_split_engine_and_records_it():
     assert differ.any(), "no decode step changed: the split was not computed"
     assert not differ[:8].any(), "a context of 40-48 keys is not split by 4 threads"
     assert recorded[1]["kv_split"] == KVSplit(threads=4) and recorded[1]["exact"] is True
+
+
+def _decode_rows(model, ids, prompt):
+    """The logits of every sampled position computed as the engine sampled them: the prompt in one forward,
+    then one token at a time with the KV cache."""
+    with torch.no_grad():
+        out = model(ids[:, :prompt], use_cache=True)
+        rows, cache = [out.logits[:, -1]], out.past_key_values
+        for t in range(prompt, ids.shape[1] - 1):
+            out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            rows.append(out.logits[:, -1])
+    return torch.stack(rows, 1)
+
+
+def test_one_forward_as_sampled_gives_the_split_decode_rows():
+    """emulator.as_sampled: one forward over prompt + completion with kv_split gives the logits the
+    split decode steps give, bit for bit (without it the full forward's rows differ: a prefill is not
+    split like decode steps); padded rows of a batch too, each with its own prompt length."""
+    model = tiny_model("qwen2", seed=1)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 256, (1, 150), generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CapabilityMismatch)
+        h = emulator.apply_profile(model, ENGINE, exact=True, kv_split=4)
+    try:
+        want = _decode_rows(model, ids, 90)
+        with torch.no_grad():
+            plain = model(ids).logits[:, 89:149]
+            with emulator.as_sampled(90):
+                got = model(ids).logits[:, 89:149]
+        assert_same_bits(got, want, "one forward as sampled vs the decode steps")
+        assert not torch.equal(plain, want), "the split changed nothing: the test cannot tell"
+        # a left-padded batch: the second row's prompt is 70 tokens after 10 pads
+        other = torch.randint(0, 256, (1, 140), generator=g)
+        want2 = _decode_rows(model, other, 70)
+        batch = torch.cat([ids, torch.cat([torch.zeros(1, 10, dtype=ids.dtype), other], 1)])
+        mask = torch.ones_like(batch)
+        mask[1, :10] = 0
+        pos = (mask.cumsum(1) - 1).clamp(min=0)  # the real tokens' positions, as the engine numbers them
+        with torch.no_grad(), emulator.as_sampled([90, 70]):
+            out = model(batch, attention_mask=mask, position_ids=pos).logits
+        assert_same_bits(out[:1, 89:149], want, "batch row 0")
+        assert_same_bits(out[1:, 79:149], want2, "batch row 1 (left-padded)")
+        with pytest.raises(InputError, match="3 prompt lengths for a batch of 2"):
+            with torch.no_grad(), emulator.as_sampled([90, 70, 5]):
+                model(batch, attention_mask=mask, position_ids=pos)
+        for bad in (0, [], [3, -1], 2.5, [True]):
+            with pytest.raises(InputError, match="positive integers"):
+                with emulator.as_sampled(bad):
+                    pass
+    finally:
+        h.remove()
