@@ -148,3 +148,48 @@ def test_exact_mode_decoding_reproduces_the_engines_sampled_log_probs_where_its_
     else:
         warnings.warn("the engine's decode equalled its prefill on this machine: the decoded row was not needed",
                       stacklevel=1)
+
+
+@pytest.mark.engine
+def test_exact_mode_splits_attention_as_vllms_default_split_kv_decode(tmp_path):
+    """With vLLM's default VLLM_CPU_ATTN_SPLIT_KV=1 and more than one thread, a decode step over 200+ keys is
+    split across the threads and merged (its decode is then not its own prefill: 38.3% of the wide Qwen2's
+    sampled tokens agree, 2026-12-05, AVX512, 2 threads). Exact mode splits it as the engine did
+    (KVSplit, from the thread count the capture records): decoding the completion ('exact, decoded') and
+    scoring it in one forward as sampled ('exact, one forward as sampled') both match every sampled token."""
+    require_env("vllm", VERSION)
+    out = tmp_path / "m.json"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_ATTN_SPLIT_KV"}  # the engine's default
+    r = subprocess.run(
+        [sys.executable, "-m", "engineloop.cli", "mismatch", "vllm", "--family", "qwen2", "--exact", "--prompts", "1",
+         "--layers", "4", "--hidden", "512", "--intermediate", "1024", *WIDE[0][1], "--prompt-len", "200",
+         "--max-tokens", "16", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=1200, env=env,
+    )
+    sys.stdout.write(r.stdout[-4000:])
+    assert r.returncode == 0, f"probe-engine mismatch failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
+    d = json.loads(out.read_text())
+    att = d["engine"]["attention"]
+    assert att["split_kv"] is True, att
+    rows = {x["trainer"]: x for x in d["sampled"]}
+    if att["torch_threads"] < 2:
+        warnings.warn(f"the engine ran with {att['torch_threads']} thread: nothing was split, the split model was "
+                      "not exercised", stacklevel=1)
+        assert "exact, one forward as sampled" not in rows
+        return
+    prof = get_profile(d["profile"])
+    here, there = d["engine"].get("cpu_capability"), prof.engine.settings.get("cpu_capability")
+    decoded, sampled = rows["exact, decoded"], rows["exact, one forward as sampled"]
+    if here != there:
+        warnings.warn(f"split-KV exact mode: the engine ran on {here}, the profile was probed on {there}; decoded "
+                      f"{decoded['exact_match']:.4f}, as sampled {sampled['exact_match']:.4f}", stacklevel=1)
+        return
+    for row in (decoded, sampled):
+        assert row["exact_match"] == 1.0 and row["abs_dlogp_max"] == 0.0, row
+    prefill = {x["trainer"]: x for x in d["prefill"]}["exact"]
+    assert prefill["exact_match"] == 1.0 and prefill["abs_dlogp_max"] == 0.0, prefill
+    if d["engine_decode_equals_prefill"] < 1.0:  # the split mattered: one plain prefill cannot match the rollout
+        assert rows["exact"]["exact_match"] < 1.0
+    else:
+        warnings.warn("the engine's split decode equalled its prefill on these tokens: the split did not matter here",
+                      stacklevel=1)
