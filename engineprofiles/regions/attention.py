@@ -494,7 +494,8 @@ class KVSplit:
         return []
 
 
-    def sampled_rows(self, prompt_len: int, positions: list[int], hq: int, hk: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    def sampled_rows(self, prompt_len: int, positions: list[int], hq: int,
+                     hk: int) -> list[tuple[int, list[tuple[int, int]]]]:
         """The split rows of a sequence as the engine sampled it: its first ``prompt_len`` positions
         in one prefill (whose last query may be split), every later position in a decode step of its
         own (one query over the keys up to it). ``positions``: each query row's position (-1: a row
