@@ -992,6 +992,10 @@ def _cases() -> list[Case]:
         _apply(_qwen2(), lambda ctx: unavailable_profile()), Raises(RegionUnavailable, "records region swiglu"))
     add("apply-exact-without-attention", AP, "exact=True with a profile without measured attention",
         _apply(_qwen2(), prof, exact=True), Raises(ExactModeUnavailable, "exact mode needs the engine's attention"))
+    add("apply-kv-split-without-exact", AP, "kv_split (the engine's split-KV threads) without exact=True",
+        _apply(_qwen2(), prof, kv_split=2), Raises(InputError, "kv_split is part of exact mode's attention"))
+    add("apply-kv-split-zero-threads", AP, "kv_split=0 threads",
+        _apply(_qwen2(), prof, exact=True, kv_split=0), Raises(InputError, "a positive integer"))
 
     # functional ops: defined results, bit for bit the reference's
     add("op-swiglu-empty", OPS, "swiglu on zero tokens (0, 151)", _op(_swiglu(_x((0, 151)), _x((0, 151)))), BITWISE)
