@@ -465,6 +465,11 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     kv_split = engine_kv_split(eng, prof) if exact else None
     if kv_split is not None:
         note(f"exact mode splits attention as the engine did: split-KV on, {kv_split.threads} threads")
+        isa = (eng.get("attention") or {}).get("isa")
+        if isa not in (None, "vec"):
+            report.warnings.append(
+                f"the engine's attention ran its {isa} ISA; exact mode's split-KV plan (KVSplit) was measured for "
+                "the vec ISA (8 query heads per iteration, keys aligned to 32): its split rows may not be the engine's")
     if exact:
         variants.append(("exact", prof, True))
     seqs = cap["sequences"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from typing import Iterator
 
 import torch
@@ -123,15 +124,14 @@ def kv_split_key(kv_split: KVSplit | None) -> str:
     """A string for the custom op ("" for none); :func:`kv_split_from_key` gives it back."""
     if kv_split is None:
         return ""
-    return (f"threads={kv_split.threads},max_q_heads_per_iter={kv_split.max_q_heads_per_iter},"
-            f"kv_block_alignment={kv_split.kv_block_alignment},merge={kv_split.merge}")
+    return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(kv_split).items())
 
 
 def kv_split_from_key(key: str) -> KVSplit | None:
     if not key:
         return None
     kw = dict(kv.split("=", 1) for kv in key.split(","))
-    return KVSplit(**{k: (v if k == "merge" else int(v)) for k, v in kw.items()})
+    return KVSplit(**{k: int(v) if v.isdigit() else v for k, v in kw.items()})  # the counts, and merge
 
 
 def fp32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,

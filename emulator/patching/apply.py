@@ -7,11 +7,10 @@ import os
 import torch
 
 from engineprofiles.regions import FP32, REGIONS, Point
+from engineprofiles.regions.attention import KVSplit
 from engineprofiles.rounding import ACT_DTYPES
 from engineprofiles.schema import Profile
 from engineprofiles.store import get_profile, names_engine
-
-from engineprofiles.regions.attention import KVSplit
 
 from ..errors import (
     AlreadyPatched,
