@@ -555,7 +555,9 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                 "re-score in one prefill matches the prefill; --exact also decodes the sampled tokens one at a time "
                 "as the engine did: row 'exact, decoded')"
                 + (" (vLLM's CPU attention splits long decode contexts across threads with VLLM_CPU_ATTN_SPLIT_KV=1; "
-                   f"exact mode splits them as it did, from the {kv_split.threads} threads the capture records)"
+                   f"exact mode splits them as it did, from the {kv_split.threads} threads the capture records, and "
+                   "row 'exact, one forward as sampled' scores each sequence in one forward with its completion rows "
+                   "split as the decode steps were: emulator.as_sampled)"
                    if split and kv_split is not None else
                    " (vLLM's CPU attention splits long decode contexts across threads with VLLM_CPU_ATTN_SPLIT_KV=1; "
                    "--exact splits them as it did)" if split else "")
