@@ -161,9 +161,9 @@ def test_exact_mode_splits_attention_as_vllms_default_split_kv_decode(tmp_path):
     out = tmp_path / "m.json"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_ATTN_SPLIT_KV"}  # the engine's default
     r = subprocess.run(
-        [sys.executable, "-m", "engineloop.cli", "mismatch", "vllm", "--family", "qwen2", "--exact", "--prompts", "1",
+        [sys.executable, "-m", "engineloop.cli", "mismatch", "vllm", "--family", "qwen2", "--exact", "--prompts", "2",
          "--layers", "4", "--hidden", "512", "--intermediate", "1024", *WIDE[0][1], "--prompt-len", "200",
-         "--max-tokens", "16", "--json", str(out)],
+         "--max-tokens", "24", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=1200, env=env,
     )
     sys.stdout.write(r.stdout[-4000:])
