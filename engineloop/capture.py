@@ -289,14 +289,23 @@ def batch_compositions(n: int) -> list[tuple[str, list[list[int]]]]:
 
 
 DECODE_REFERENCE = "decoded alone (greedy)"
+DECODE_STAGGERED = "decoded together, staggered lengths"
+
+
+def staggered_lengths(n: int, max_tokens: int) -> list[int]:
+    """Completion lengths of the decode run whose requests leave the batch at different steps: the
+    first request shortest, so that vLLM moves the last request into its slot when it leaves."""
+    return [max(2, max_tokens - 3 * (n - 1 - i)) for i in range(n)]
 
 
 def batch_check(score, decode, forwards, prompts: list[list[int]], sequences: list[dict[str, Any]], vocab: int,
-                seed: int, slots: int) -> dict[str, Any]:
+                seed: int, slots: int, decode_lengths=None) -> dict[str, Any]:
     """The batch check with one engine's calls: ``score(seqs)`` returns each sequence's prompt log-probs
     (positions 1..), ``decode(prompts)`` each prompt's greedy completion and its log-probs, both with
     every sequence of one call in the engine at once; ``forwards()`` the tokens of each engine forward
-    since it was last asked."""
+    since it was last asked. ``decode_lengths(prompts, lengths)``, where given: ``decode`` with each
+    request's own number of tokens (run "decoded together, staggered lengths":
+    :func:`staggered_lengths`)."""
     fulls = [s["prompt"] + s["completion"] for s in sequences]
     forwards()
     runs = []
@@ -323,6 +332,13 @@ def batch_check(score, decode, forwards, prompts: list[list[int]], sequences: li
                          logprobs=[got[i][1] for i in range(len(prompts))], forward_tokens=tokens,
                          **({} if name == DECODE_REFERENCE else {"reference": DECODE_REFERENCE})))
         _log(f"batch check: {name}: {len(tokens)} forwards")
+    if decode_lengths is not None and len(prompts) > 1:
+        lengths = staggered_lengths(len(prompts), max(len(s["completion"]) for s in sequences))
+        comps, lps = decode_lengths(prompts, lengths)
+        tokens = forwards()
+        runs.append(dict(name=DECODE_STAGGERED, kind="decode", calls=[list(range(len(prompts)))], completions=comps,
+                         logprobs=lps, forward_tokens=tokens, lengths=lengths, reference=DECODE_REFERENCE))
+        _log(f"batch check: {DECODE_STAGGERED}: {len(tokens)} forwards")
     return dict(max_num_seqs=slots, prefix_caching=False, runs=runs)
 
 
@@ -337,8 +353,10 @@ def batch_check_vllm(llm, state: dict[str, Any], prompts: list[list[int]], seque
         res = llm.generate([{"prompt_token_ids": f} for f in seqs], rp, use_tqdm=False)
         return [[d[tok].logprob for d, tok in zip(r.prompt_logprobs[1:], f[1:])] for f, r in zip(seqs, res)]
 
-    def decode(ps):
-        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in ps], gp, use_tqdm=False)]
+    def decode(ps, lengths=None):
+        params = gp if lengths is None else [SamplingParams(max_tokens=n, temperature=0.0, logprobs=0, ignore_eos=True,
+                                                            detokenize=False) for n in lengths]
+        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)]
         return [list(o.token_ids) for o in outs], [[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
                                                    for o in outs]
 
@@ -350,7 +368,7 @@ def batch_check_vllm(llm, state: dict[str, Any], prompts: list[list[int]], seque
     vocab = int(llm.llm_engine.vllm_config.model_config.get_vocab_size())
     state.update(count=True, tokens=[])
     try:
-        return batch_check(score, decode, forwards, prompts, sequences, vocab, seed, slots)
+        return batch_check(score, decode, forwards, prompts, sequences, vocab, seed, slots, decode_lengths=decode)
     finally:
         state["count"] = False
 

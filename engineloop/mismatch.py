@@ -564,6 +564,9 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                 + (f" ({why})" if why else ""))
     if batch_check:
         report.batch_check = batch_invariance(cap)
+        if kv_split is not None:
+            note("trainer: exact, against the engine's batched decode runs")
+            report.batch_check["exact"] = batch_exact_rows(model, prof, kv_split, cap)
         if not report.batch_check["batch_invariant"]:
             bad = [r["composition"] for r in report.batch_check["rows"] if r["exact_match"] < 1.0 or r.get("diverged")]
             split = eng.get("attention", {}).get("split_kv")
@@ -574,6 +577,43 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                    "(VLLM_CPU_ATTN_SPLIT_KV=1): measured batch-invariant with VLLM_CPU_ATTN_SPLIT_KV=0 (docs/mismatch.md)"
                    if split else ""))
     return report
+
+
+def batch_exact_rows(model, prof: Profile, kv_split: KVSplit, cap: dict[str, Any]) -> list[dict[str, Any]]:
+    """Exact mode against the engine's decode runs with several requests in one call (the batch check's
+    "decoded together" runs): each sequence scored in one forward with its completion rows split as the
+    engine's decode steps split them, as sampled alone (``as_sampled(prompt length)``, what a trainer that
+    ignores the batch computes) and as sampled together with its batch (``as_sampled(prompt lengths,
+    completion lengths, rows=[i])``: the split plan of each step's whole batch)."""
+    from emulator import as_sampled
+    from emulator.patching import apply_profile
+
+    prompts = [s["prompt"] for s in cap["sequences"]]
+    out = []
+    handle = apply_profile(model, prof, exact=True, kv_split=kv_split)
+    try:
+        for run in cap["batch_check"]["runs"]:
+            if run["kind"] != "decode" or len(run["calls"]) != 1 or len(run["calls"][0]) < 2:
+                continue
+            order = run["calls"][0]  # the requests in the order the engine was given them
+            ps = [len(prompts[i]) for i in order]
+            cs = [len(run["completions"][i]) for i in order]
+            ref = torch.tensor([x for i in order for x in run["logprobs"][i]], dtype=torch.float32)
+            alone, together = [], []
+            for j, i in enumerate(order):
+                seq = dict(prompt=prompts[i], completion=run["completions"][i])
+                with as_sampled(ps[j]):
+                    alone.append(sequence_logprobs(model, seq)[0])
+                with as_sampled(ps, cs, rows=[j]):
+                    together.append(sequence_logprobs(model, seq)[0])
+            for label, got in (("exact, one forward as sampled alone", alone),
+                               ("exact, one forward as sampled together", together)):
+                m = mismatch(ref, torch.cat(got))
+                out.append(dict(composition=run["name"], trainer=label, completion_lengths=cs, tokens=m.tokens,
+                                exact_match=m.exact_match, abs_dlogp_max=m.abs_dlogp_max, k3_kl=m.k3_kl))
+    finally:
+        handle.remove()
+    return out
 
 
 def _compare(ref: list[float], got: list[float]) -> tuple[int, int, float]:
@@ -619,7 +659,7 @@ def batch_invariance(cap: dict[str, Any]) -> dict[str, Any]:
                                        "the capture does not hold")
                 mine, theirs = run["completions"][i], base["completions"][i]
                 same = next((k for k, (x, y) in enumerate(zip(mine, theirs)) if x != y), min(len(mine), len(theirs)))
-                diverged += same < max(len(mine), len(theirs))
+                diverged += same < min(len(mine), len(theirs))  # a staggered run stops some sequences early
                 ref, got = [float(x) for x in base["logprobs"][i][:same]], got[:same]
             k, e, m = _compare(ref, [float(x) for x in got])
             n, eq, worst = n + k, eq + e, max(worst, m)

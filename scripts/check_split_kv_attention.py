@@ -14,6 +14,9 @@ the AVX2 build):
    per iteration and ones that do not), decode steps and prefills whose last query tile has one token.
 2. Outputs: the kernel's BF16 output against ``attention_ref`` at the build's point with the plan, for both
    merge variants and without the split (the rows the plan splits, head dims 64 and 128).
+3. Batches: calls over several requests at once (decode steps of requests decoded together, with and
+   without prefills beside them): the scheduler's split rows against ``KVSplit.plan_batch``, and the
+   kernel's output of every split row against ``attention_ref`` with that row's chunks.
 
 Prints JSON; exit 0 when every plan is the scheduler's and the build's merge matches every element of
 every split row, 1 otherwise.
@@ -33,8 +36,9 @@ import torch
 _WORKITEM_BYTES, _REDUCTION_BYTES = 40, 20
 
 
-def work_items(meta: torch.Tensor) -> list[tuple[int, int, int, int, int]]:
-    """(query start, query count, first key, end key, split id) of every work item in the metadata."""
+def work_items(meta: torch.Tensor, with_request: bool = False) -> list[tuple[int, int, int, int, int]]:
+    """(query start, query count, first key, end key, split id) of every work item in the metadata;
+    ``with_request``: (request, query start, first key, end key, split id)."""
     w = meta.view(torch.int32)
     n_work, n_red = int(w[17]), int(w[18])
     header = meta.numel() - n_work * _WORKITEM_BYTES - n_red * _REDUCTION_BYTES
@@ -42,7 +46,19 @@ def work_items(meta: torch.Tensor) -> list[tuple[int, int, int, int, int]]:
         raise SystemExit(f"the scheduler metadata ({meta.numel()} bytes, {n_work} work items) is not the layout this "
                          "script reads (vLLM 0.32.0's AttentionMetadata); update work_items()")
     rows = w[header // 4: header // 4 + n_work * 10].view(n_work, 10)
+    if with_request:
+        return [(int(r[0]), int(r[1]), int(r[3]), int(r[4]), int(r[8])) for r in rows]
     return [(int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[8])) for r in rows]
+
+
+class _Fixed:
+    """A KVSplit whose plan for a one-query call is the given chunks (a row of a batch, checked alone)."""
+
+    def __init__(self, split, ranges):
+        self.merge, self._ranges = split.merge, list(ranges)
+
+    def plan(self, tq, tk, hq, hk):
+        return [(0, self._ranges)]
 
 
 def main() -> int:
@@ -70,25 +86,41 @@ def main() -> int:
     build_merge = "mul_add" if avx2 else "fma"
     dtype, block_size = torch.bfloat16, 128
 
-    def kernel(q, k, v, threads):
+    def kernel_batch(reqs, threads):
+        """One kernel call over the requests [(q, k, v)] (each [T, H, D]) in order: their outputs and the
+        scheduler's work items (request, query start, first key, end key, split id)."""
         torch.set_num_threads(threads)
-        tq, hq, d = q.shape
-        tk, hk, _ = k.shape
+        _, hq, d = reqs[0][0].shape
+        hk = reqs[0][1].shape[1]
         isa = _get_attn_isa(dtype, block_size, d)
-        blocks = (tk + block_size - 1) // block_size
-        cache = torch.zeros(blocks, hk, block_size, 2 * d, dtype=dtype)
-        kc, vc = cache.view(blocks, hk, 2 * block_size, d).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, torch.arange(tk, dtype=torch.int64), isa)
-        qsl, sl = torch.tensor([0, tq], dtype=torch.int32), torch.tensor([tk], dtype=torch.int32)
+        nblocks = [(k.shape[0] + block_size - 1) // block_size for _, k, _ in reqs]
+        cache = torch.zeros(sum(nblocks), hk, block_size, 2 * d, dtype=dtype)
+        kc, vc = cache.view(sum(nblocks), hk, 2 * block_size, d).chunk(2, dim=2)
+        table = torch.zeros(len(reqs), max(nblocks), dtype=torch.int32)
+        first = 0
+        for r, ((_, k, v), nb) in enumerate(zip(reqs, nblocks)):
+            table[r, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
+            slots = first * block_size + torch.arange(k.shape[0], dtype=torch.int64)
+            ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+            first += nb
+        qlens = [q.shape[0] for q, _, _ in reqs]
+        qsl = torch.tensor([sum(qlens[:r]) for r in range(len(reqs) + 1)], dtype=torch.int32)
+        sl = torch.tensor([k.shape[0] for _, k, _ in reqs], dtype=torch.int32)
         meta = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=1, num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=sl, dtype=dtype, query_start_loc=qsl,
-            causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
-        out = torch.empty(tq, hq, d, dtype=dtype)
+            num_reqs=len(reqs), num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=sl, dtype=dtype,
+            query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
+        q_all = torch.cat([q for q, _, _ in reqs])
+        out = torch.empty_like(q_all)
         ops.cpu_attention_with_kv_cache(
-            query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl, seq_lens=sl, scale=d ** -0.5,
-            causal=True, alibi_slopes=None, sliding_window=-1, block_table=torch.arange(blocks, dtype=torch.int32)[None],
-            softcap=0.0, scheduler_metadata=meta, s_aux=None)
-        return out, work_items(meta)
+            query=q_all, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl, seq_lens=sl, scale=d ** -0.5,
+            causal=True, alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
+            scheduler_metadata=meta, s_aux=None)
+        items = [(r, qs, a, b, sid) for r, qs, a, b, sid in work_items(meta, with_request=True)]
+        return list(out.split(qlens)), items
+
+    def kernel(q, k, v, threads):
+        outs, items = kernel_batch([(q, k, v)], threads)
+        return outs[0], [(qs, None, a, b, sid) for _, qs, a, b, sid in items]
 
     heads = ((8, 1), (8, 2), (16, 2), (4, 4), (14, 2), (12, 2), (32, 8)) if not args.quick else ((4, 2), (14, 2))
     decode = (17, 100, 200, 300, 700, 1500) if not args.quick else (100, 200, 700)
@@ -128,8 +160,53 @@ def main() -> int:
                         counts[m][1] += same.numel()
     res["outputs"] = {f"merge_{m}" if m != "unsplit" else "not_split": dict(matched=a, total=n)
                       for m, (a, n) in counts.items()}
+
+    # 3. batches: several requests in one call, the plan of the whole call
+    batch = dict(calls=0, plans_equal=0, split_rows=0, rows_not_their_own_plan=0, plan_differences=[],
+                 elements_matched=0, elements=0)
+    rng = torch.Generator().manual_seed(1)
+    n_calls = 240 if not args.quick else 24
+    layouts = [(hq, hk, d) for d in (64, 128) for hq, hk in heads]
+    for c in range(n_calls):
+        hq, hk, d = layouts[c % len(layouts)]
+        threads = threads_all[(c // len(layouts)) % len(threads_all)]
+        n_req = int(torch.randint(2, 7, (1,), generator=rng))
+        shapes_b = []
+        for _ in range(n_req):
+            tk = int(torch.randint(17, 700 if not args.quick else 400, (1,), generator=rng))
+            kind = int(torch.randint(0, 4, (1,), generator=rng))  # mostly decode steps, some prefills
+            tq = 1 if kind else int(torch.randint(2, min(tk, 130) + 1, (1,), generator=rng))
+            shapes_b.append((tq, tk))
+        reqs = [(torch.randn(tq, hq, d, generator=g).to(dtype), torch.randn(tk, hk, d, generator=g).to(dtype),
+                 torch.randn(tk, hk, d, generator=g).to(dtype)) for tq, tk in shapes_b]
+        outs, items = kernel_batch(reqs, threads)
+        got = [(r, qs, a, b) for r, qs, a, b, sid in items if sid != -1]
+        split = KVSplit(threads=threads, merge=build_merge)
+        plan = split.plan_batch(shapes_b, hq, hk)
+        want = [(r, row, a, b) for r, row, ranges in plan for a, b in ranges]
+        batch["calls"] += 1
+        batch["plans_equal"] += got == want
+        batch["split_rows"] += len(plan)
+        alone = {(r, row, tuple(rg)) for r, (tq, tk) in enumerate(shapes_b)
+                 for row, rg in split.plan(tq, tk, hq, hk)}
+        batch["rows_not_their_own_plan"] += len({(r, row, tuple(rg)) for r, row, rg in plan} ^ alone)
+        if got != want and len(batch["plan_differences"]) < 10:
+            batch["plan_differences"].append(dict(threads=threads, heads=[hq, hk], requests=shapes_b,
+                                                  scheduler=got, plan=want))
+        for r, row, ranges in plan:
+            q, k, v = reqs[r]
+            tq, tk = shapes_b[r]
+            one = KVSplit(threads=threads, merge=build_merge)
+            # the row alone, with exactly the batch's chunks for it
+            ref = attention_ref(q[row:row + 1], k[: tk - tq + row + 1], v[: tk - tq + row + 1], point,
+                                scale=d ** -0.5, kv_split=_Fixed(one, ranges))
+            same = ref[0].view(torch.int16) == outs[r][row].view(torch.int16)
+            batch["elements_matched"] += int(same.sum())
+            batch["elements"] += same.numel()
+    res["batches"] = batch
     ok = (res["plans_equal"] == res["plans"] and res["split_plans"] > 0
-          and counts[build_merge][0] == counts[build_merge][1] > 0)
+          and counts[build_merge][0] == counts[build_merge][1] > 0
+          and batch["plans_equal"] == batch["calls"] and batch["elements_matched"] == batch["elements"] > 0)
     res["ok"] = ok
     text = json.dumps(res, indent=1)
     print(text)

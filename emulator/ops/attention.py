@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 
 from engineprofiles.regions import Point, attention_fp32, attention_ref
-from engineprofiles.regions.attention import KVSplit
+from engineprofiles.regions.attention import KVSplit, SampledBatch
 
 from ..errors import InputError
 from ._utils import autograd_in_op, owned, point_from_key
@@ -50,60 +50,97 @@ def allowed_from_mask(mask: torch.Tensor | None, b: int, tq: int, tk: int, devic
     return m[-tq:, -tk:].to(device).expand(tq, tk)
 
 
-_PROMPT_LENGTHS: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar("emulator_prompt_lengths",
-                                                                                         default=None)
+_SAMPLED: contextvars.ContextVar[tuple[tuple[int, ...], SampledBatch | None] | None] = contextvars.ContextVar(
+    "emulator_sampled", default=None)
+
+
+def _lengths(name: str, value) -> tuple[int, ...]:
+    lengths = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    if not lengths or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in lengths):
+        per = "one per batch row, or one for all" if name == "prompt lengths" else "one per batch row"
+        raise InputError(f"as_sampled: {name} are positive integers ({per}); got {value!r}")
+    return lengths
 
 
 @contextlib.contextmanager
-def as_sampled(prompt_lengths: int | list[int] | tuple[int, ...]) -> Iterator[None]:
+def as_sampled(prompt_lengths: int | list[int] | tuple[int, ...],
+               completion_lengths: list[int] | tuple[int, ...] | None = None,
+               rows: list[int] | tuple[int, ...] | None = None) -> Iterator[None]:
     """Within it, exact mode with ``kv_split`` computes each sequence's attention as the engine computed
     it while sampling: the first ``prompt_lengths[b]`` tokens of batch row ``b`` (not counting padding)
-    in one prefill, each later position as a decode step of its own, so that one forward over prompt
-    and completion gives the rows the engine's decode gave (its split-KV decode is not its prefill).
-    An int is every row's prompt length. Without ``kv_split`` attention does not depend on it (the
-    engine's decode and prefill attention agree). Not thread-local beyond Python's contextvars."""
-    if isinstance(prompt_lengths, (list, tuple)):
-        lengths = tuple(prompt_lengths)
+    in one prefill, each later position as a decode step, so that one forward over prompt and
+    completion gives the rows the engine's decode gave (its split-KV decode is not its prefill).
+    An int is every row's prompt length.
+
+    Without ``completion_lengths`` each row was a request alone in the engine. With them, the lengths
+    describe one engine batch, its requests in the order they were given to the engine (one prompt and
+    one completion length each: the tokens the engine sampled for it), sampled together: prefilled in
+    one forward, decoded together, each leaving after its last token
+    (:class:`engineprofiles.regions.attention.SampledBatch`); the split of a decode step then depends on
+    the whole batch. ``rows``: which of those requests this forward's batch rows are (a trainer's
+    micro-batch of the rollout batch); default: all of them, in order. Without ``kv_split`` attention does not
+    depend on either (the engine's decode and prefill attention agree). Not thread-local beyond
+    Python's contextvars."""
+    lengths = _lengths("prompt lengths", prompt_lengths)
+    if completion_lengths is None:
+        if rows is not None:
+            raise InputError("as_sampled: rows picks requests of a batch sampled together; give completion_lengths too")
+        state: tuple[tuple[int, ...], SampledBatch | None] = (lengths, None)
     else:
-        lengths = (prompt_lengths,)
-    if not lengths or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in lengths):
-        raise InputError(f"as_sampled: prompt lengths are positive integers (one per batch row, or one for all); got "
-                         f"{prompt_lengths!r}")
-    token = _PROMPT_LENGTHS.set(lengths)
+        completions = _lengths("completion lengths", completion_lengths)
+        if not isinstance(prompt_lengths, (list, tuple)) or len(completions) != len(lengths):
+            raise InputError(f"as_sampled: completion lengths need one prompt length per request, as many as the "
+                             f"completions; got {prompt_lengths!r} and {completion_lengths!r}")
+        requests = tuple(range(len(lengths))) if rows is None else (
+            tuple(rows) if isinstance(rows, (list, tuple)) else ())
+        if not requests or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(lengths)
+                               for i in requests):
+            raise InputError(f"as_sampled: rows are indices of the {len(lengths)} requests of the batch; got {rows!r}")
+        state = (requests, SampledBatch(lengths, completions))
+    token = _SAMPLED.set(state)
     try:
         yield
     finally:
-        _PROMPT_LENGTHS.reset(token)
+        _SAMPLED.reset(token)
 
 
-def _prompt_len(b: int, batch: int) -> int | None:
-    lengths = _PROMPT_LENGTHS.get()
-    if lengths is None:
-        return None
+def _prompt_len(b: int, batch: int) -> tuple[int | None, tuple[SampledBatch, int] | None]:
+    """Batch row ``b``'s prompt length under :func:`as_sampled`, and its (engine batch, index) where
+    the rows were sampled together."""
+    got = _SAMPLED.get()
+    if got is None:
+        return None, None
+    lengths, together = got
+    if together is not None:  # lengths: the engine batch's requests that this forward's rows are
+        if len(lengths) != batch:
+            raise InputError(f"as_sampled: {len(lengths)} requests of the engine batch for a forward of {batch} rows "
+                             "(give rows= for a micro-batch)")
+        return together.prompt_lengths[lengths[b]], (together, lengths[b])
     if len(lengths) == 1:
-        return lengths[0]
+        return lengths[0], None
     if len(lengths) != batch:
         raise InputError(f"as_sampled: {len(lengths)} prompt lengths for a batch of {batch} rows")
-    return lengths[b]
+    return lengths[b], None
 
 
 def _one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, scale: float,
              allowed: torch.Tensor | None, kv_split: KVSplit | None = None,
-             prompt_len: int | None = None) -> torch.Tensor:
+             prompt_len: int | None = None, together: tuple[SampledBatch, int] | None = None) -> torch.Tensor:
     """q [Hq, Tq, D], k/v [Hk, Tk, D] of one batch row -> [Hq, Tq, D]."""
     qe, ke, ve = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # engine layout [T, H, D]
     if kv_split is None:
-        prompt_len = None
+        prompt_len, together = None, None
     if prompt_len is not None and allowed is None and prompt_len > k.shape[1]:
         raise InputError(f"as_sampled: a prompt of {prompt_len} tokens in a row of {k.shape[1]} tokens")
     if allowed is None:
-        return attention_ref(qe, ke, ve, point, scale=scale, kv_split=kv_split, prompt_len=prompt_len).transpose(0, 1)
+        return attention_ref(qe, ke, ve, point, scale=scale, kv_split=kv_split, prompt_len=prompt_len,
+                             sampled_batch=together).transpose(0, 1)
     keep = allowed[-1] if bool(allowed[-1].any()) else allowed.any(0)
     idx = keep.nonzero()[:, 0]
     if prompt_len is not None and prompt_len > len(idx):
         raise InputError(f"as_sampled: a prompt of {prompt_len} tokens in a row of {len(idx)} tokens")
     out = attention_ref(qe, ke[idx], ve[idx], point, scale=scale, mask=allowed[:, idx], kv_split=kv_split,
-                        prompt_len=prompt_len)
+                        prompt_len=prompt_len, sampled_batch=together)
     return out.transpose(0, 1)
 
 
@@ -116,7 +153,7 @@ def exact_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Poin
     outs = []
     for b in range(q.shape[0]):
         allowed = allowed_from_mask(mask, b, q.shape[2], k.shape[2], q.device)
-        outs.append(_one_row(q[b], k[b], v[b], point, scale, allowed, kv_split, _prompt_len(b, q.shape[0])))
+        outs.append(_one_row(q[b], k[b], v[b], point, scale, allowed, kv_split, *_prompt_len(b, q.shape[0])))
     return torch.stack(outs)
 
 

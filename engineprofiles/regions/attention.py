@@ -328,7 +328,8 @@ def causal_mask(tq: int, tk: int, device: torch.device | str = "cpu") -> torch.T
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, *, scale: float,
                   mask: torch.Tensor | None = None, kv_split: "KVSplit | None" = None,
-                  prompt_len: int | None = None) -> torch.Tensor:
+                  prompt_len: int | None = None, sampled_batch: "tuple[SampledBatch, int] | None" = None,
+                  ) -> torch.Tensor:
     """Reference attention of one sequence at ``point``.
 
     q: [Tq, Hq, D], k and v: [Tk, Hk, D] in the activation dtype (Hq a multiple of Hk: grouped
@@ -339,7 +340,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Poin
     (:class:`KVSplit`, vLLM's CPU attention with ``VLLM_CPU_ATTN_SPLIT_KV=1``); None: no row is split.
     The split rows are those of this call as one engine call (``prompt_len`` None), or of the sequence
     as the engine sampled it (its first ``prompt_len`` keys a prefill, each later row a decode step:
-    :meth:`KVSplit.sampled_rows`).
+    :meth:`KVSplit.sampled_rows`); ``sampled_batch`` (batch, index): the sequence is request ``index`` of
+    an engine batch sampled together (:class:`SampledBatch`), its prompt length the batch's.
     Returns [Tq, Hq, D] in the activation dtype."""
     dt = act_dtype(q.dtype)
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1]:
@@ -378,9 +380,13 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Poin
     out = _dot(p, vh, point["pv_dot"])  # [Hq, Tq, D]
     if kv_split is None:
         plan = []
+    elif sampled_batch is not None:  # each row's position: the keys it sees, less one (causal)
+        batch, index = sampled_batch
+        plan = kv_split.sampled_rows(batch.prompt_lengths[index], (mask.sum(-1) - 1).tolist(), hq, hk,
+                                     batch=batch, index=index)
     elif prompt_len is None:
         plan = kv_split.plan(tq, tk, hq, hk)
-    else:  # each row's position: the keys it sees, less one (causal)
+    else:
         plan = kv_split.sampled_rows(prompt_len, (mask.sum(-1) - 1).tolist(), hq, hk)
     if plan and (point["normalize"] == "before_pv" or point["probs"] == ROUNDED):
         raise ValueError("attention_ref: a split-KV plan is defined for points that normalize at the end with FP32 "
@@ -444,24 +450,39 @@ class KVSplit:
 
     def plan(self, tq: int, tk: int, hq: int, hk: int) -> list[tuple[int, list[tuple[int, int]]]]:
         """The split rows of a causal call of ``tq`` queries (the last ``tq`` positions) over ``tk``
-        keys: (query row, [(first key, end key), ...]) for each row the engine splits; [] for none."""
+        keys, one request alone: (query row, [(first key, end key), ...]) for each row the engine
+        splits; [] for none."""
+        return [(row, ranges) for _, row, ranges in self.plan_batch([(tq, tk)], hq, hk)]
+
+    def plan_batch(self, requests: list[tuple[int, int]] | tuple[tuple[int, int], ...], hq: int,
+                   hk: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        """The split rows of one engine call over several requests, in the batch's order, each
+        ``(tq, tk)`` a causal request of ``tq`` queries over ``tk`` keys: (request, query row,
+        [(first key, end key), ...]) for each row the engine splits. The scheduler walks the requests'
+        query tiles in order with one share for the whole call (the sum of every request's tiles),
+        a thread's keys carrying over from one request to the next: what a request's decode step
+        splits depends on the whole batch."""
         a, mq, threads = self.kv_block_alignment, self.max_q_heads_per_iter, self.threads
         group = hq // hk
-        gqa = mq % group == 0
-        if not gqa:
-            group = 1
-        q_tile = mq // group
-        if tq < 1 or tk < 1:
-            return []
+        # a tile's queries: the tokens whose heads of one group fill an iteration; one token where the
+        # group does not divide it (measured: groups of 6 and 7)
+        q_tile = mq // group if mq % group == 0 else 1
         up = lambda n: -(-n // a) * a  # noqa: E731 - round up to the alignment
         min_split = up(4 * mq)
-        starts = range(0, tq, q_tile)
-        # a query tile reads the keys up to its last query (causal), aligned
-        tile_keys = [up(min(tk, tk - tq + t0 + min(q_tile, tq - t0))) for t0 in starts]
-        share = up(sum(tile_keys) // threads)
+        tiles = []  # (request, first query row, queries, keys the tile reads)
+        for r, (tq, tk) in enumerate(requests):
+            if tq < 1 or tk < 1:
+                continue
+            for t0 in range(0, tq, q_tile):
+                n = min(q_tile, tq - t0)
+                # a query tile reads the keys up to its last query (causal), aligned
+                tiles.append((r, t0, n, up(min(tk, tk - tq + t0 + n)), tq, tk))
+        if not tiles:
+            return []
+        share = up(sum(t[3] for t in tiles) // threads)
         thread, left, owned, items = 0, share, 0, 0  # owned: keys of the open work item; items: this thread's
-        for t0, kv_len in zip(starts, tile_keys):
-            n = min(q_tile, tq - t0)
+        out = []
+        for r, t0, n, kv_len, tq, tk in tiles:
             cur, start, ranges = kv_len, 0, []
             while cur > 0:
                 if cur <= left + min_split or thread == threads - 1:
@@ -494,17 +515,25 @@ class KVSplit:
             if ranges:
                 if len(ranges) == 1:  # never happens: a split has a chunk before the last
                     raise AssertionError("split plan with one chunk")
-                return [(t0, ranges)]
-        return []
+                out.append((r, t0, ranges))
+        return out
 
-    def sampled_rows(self, prompt_len: int, positions: list[int], hq: int,
-                     hk: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    def sampled_rows(self, prompt_len: int, positions: list[int], hq: int, hk: int,
+                     batch: "SampledBatch | None" = None, index: int = 0) -> list[tuple[int, list[tuple[int, int]]]]:
         """The split rows of a sequence as the engine sampled it: its first ``prompt_len`` positions
         in one prefill (whose last query may be split), every later position in a decode step of its
         own (one query over the keys up to it). ``positions``: each query row's position (-1: a row
-        that sees no key, e.g. padding); returns (query row, chunks) for each split row."""
+        that sees no key, e.g. padding); returns (query row, chunks) for each split row.
+        ``batch``: the sequence was request ``index`` of that batch, sampled together (its prefill and
+        each decode step one engine call with the others: :meth:`SampledBatch.steps`); positions the
+        engine never ran as a query (the last sampled token) are not split."""
         if not isinstance(prompt_len, int) or isinstance(prompt_len, bool) or prompt_len < 1:
             raise ValueError(f"a prompt length is a positive integer, got {prompt_len!r}")
+        if batch is not None:
+            if not 0 <= index < len(batch.prompt_lengths) or batch.prompt_lengths[index] != prompt_len:
+                raise ValueError(f"request {index} of {batch}: not a request with a prompt of {prompt_len} tokens")
+            table = self._batch_plan(batch, hq, hk)
+            return [(row, table[(index, pos)]) for row, pos in enumerate(positions) if (index, pos) in table]
         prefill = dict(self.plan(prompt_len, prompt_len, hq, hk))
         out = []
         for row, pos in enumerate(positions):
@@ -516,6 +545,17 @@ class KVSplit:
             else:
                 out += [(row, ranges) for _, ranges in self._decode_plan(pos + 1, hq, hk)]
         return out
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - a frozen, hashable dataclass
+    def _batch_plan(self, batch: "SampledBatch", hq: int, hk: int) -> dict[tuple[int, int], list[tuple[int, int]]]:
+        """(request, position) -> chunks, for every split query of the batch's engine calls."""
+        table = {}
+        for requests in batch.steps():
+            calls = [(tq, tk) for _, tq, tk in requests]
+            for slot, row, ranges in self.plan_batch(calls, hq, hk):
+                r, tq, tk = requests[slot]
+                table[(r, tk - tq + row)] = ranges
+        return table
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - a frozen, hashable dataclass; plans are small
     def _decode_plan(self, tk: int, hq: int, hk: int) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -580,3 +620,53 @@ def attention_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     w = torch.softmax(torch.where(seen[:, None], logits, torch.zeros_like(logits)), -1)
     w = torch.where(mask & seen[:, None], w, torch.zeros_like(w))
     return (w @ vh).transpose(0, 1)
+
+
+@dataclass(frozen=True)
+class SampledBatch:
+    """Requests vLLM sampled together, in the order they were given to it: every prompt prefilled in
+    one forward, then decoded together, a request leaving the batch after its last sampled token
+    (``completion_lengths[i]`` tokens, the last never run as a query). When requests leave, vLLM's
+    input batch moves its last request into the lowest free slot (``InputBatch.condense``), which
+    reorders the rest: the order the scheduler, and so the split-KV plan, sees. Holds where the
+    engine had room for the whole batch at once (``max_num_seqs`` and ``max_num_batched_tokens``:
+    one prefill forward), as ``LLM.generate`` with a list of prompts runs."""
+
+    prompt_lengths: tuple[int, ...]
+    completion_lengths: tuple[int, ...]
+
+    def __post_init__(self):
+        for name in ("prompt_lengths", "completion_lengths"):
+            v = getattr(self, name)
+            if not isinstance(v, tuple) or not v or any(
+                    not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in v):
+                raise ValueError(f"SampledBatch.{name} is a non-empty tuple of positive integers, got {v!r}")
+        if len(self.prompt_lengths) != len(self.completion_lengths):
+            raise ValueError(f"SampledBatch: {len(self.prompt_lengths)} prompt lengths and "
+                             f"{len(self.completion_lengths)} completion lengths")
+
+    def steps(self) -> list[list[tuple[int, int, int]]]:
+        """The engine calls in order, each a list of (request, queries, keys) in the batch's slot
+        order: the prefill of every prompt, then each decode step of the requests still running."""
+        p, c = self.prompt_lengths, self.completion_lengths
+        out = [[(r, p[r], p[r]) for r in range(len(p))]]
+        slots: list[int | None] = list(range(len(p)))
+        for s in range(max(c) - 1):
+            # requests whose last token was sampled by the previous call leave: decode step s runs
+            # request r's token s (position p[r] + s) while it has tokens left to sample
+            removed = [i for i, r in enumerate(slots) if r is not None and c[r] - 2 < s]
+            for i in removed:
+                slots[i] = None
+            while removed:  # vLLM's condense: the last request into the lowest free slot
+                last = max(i for i, r in enumerate(slots) if r is not None) if any(
+                    r is not None for r in slots) else -1
+                low = min(removed)
+                if low >= last:
+                    break
+                removed.remove(low)
+                slots[low], slots[last] = slots[last], None
+            while slots and slots[-1] is None:
+                slots.pop()
+            out.append([(r, 1, p[r] + s + 1) for r in slots if r is not None])
+        return out
+

@@ -466,6 +466,50 @@ def test_kv_split_plans_chunks_that_cover_the_keys_in_order():
     assert seen_split > 50
 
 
+def test_kv_split_plans_a_batch_as_vllms_scheduler_did():
+    """Plans of calls over several requests, as vLLM 0.32.0's scheduler op returned them (its work items,
+    AVX-512 build, 2 threads, 4 query / 2 KV heads, head dim 128; scripts/check_split_kv_attention.py
+    checks 240 random batches against the op): the threads' share is the whole call's, so a request's
+    decode step is split otherwise in a batch than alone, or not at all."""
+    from engineprofiles.regions.attention import KVSplit
+
+    s = KVSplit(threads=2)
+    assert s.plan(1, 216, 4, 2) == [(0, [(0, 128), (128, 216)])]  # alone: split
+    assert s.plan_batch([(1, 216), (1, 216)], 4, 2) == []  # beside another: not split
+    assert s.plan_batch([(1, 216), (1, 300), (1, 150)], 4, 2) == [(1, 0, [(0, 128), (128, 300)])]
+    assert s.plan(1, 300, 4, 2) == [(0, [(0, 160), (160, 300)])]  # alone: other chunks
+    for tq, tk in ((1, 216), (1, 700), (9, 65), (129, 129)):  # one request: the plan of one call
+        assert s.plan_batch([(tq, tk)], 4, 2) == [(0, row, r) for row, r in s.plan(tq, tk, 4, 2)]
+
+
+def test_sampled_batch_steps_follow_vllms_input_batch():
+    """Every prompt in one prefill, then the decode steps of the requests still running, in slot
+    order; a request leaving moves the last one into its slot (vLLM's InputBatch.condense)."""
+    from engineprofiles.regions.attention import KVSplit, SampledBatch
+
+    b = SampledBatch((10, 20, 30), (3, 3, 3))
+    assert b.steps() == [[(0, 10, 10), (1, 20, 20), (2, 30, 30)],
+                         [(0, 1, 11), (1, 1, 21), (2, 1, 31)], [(0, 1, 12), (1, 1, 22), (2, 1, 32)]]
+    # request 0 leaves first (2 tokens: its decode step 0 only), then request 1 (3 tokens)
+    steps = SampledBatch((10, 20, 30, 40), (2, 3, 5, 5)).steps()
+    assert [[r for r, _, _ in call] for call in steps] == [[0, 1, 2, 3], [0, 1, 2, 3], [3, 1, 2], [3, 2], [3, 2]]
+    assert steps[2] == [(3, 1, 42), (1, 1, 22), (2, 1, 32)]
+    assert SampledBatch((5,), (1,)).steps() == [[(0, 5, 5)]]  # one token: the prefill sampled it
+    for bad in (dict(prompt_lengths=(), completion_lengths=()), dict(prompt_lengths=(3,), completion_lengths=(0,)),
+                dict(prompt_lengths=[3], completion_lengths=(2,)), dict(prompt_lengths=(3, 4), completion_lengths=(2,))):
+        with pytest.raises(ValueError, match="SampledBatch"):
+            SampledBatch(**bad)
+    # the sequence's rows as sampled in that batch: the measured call above is decode step 0 of this batch
+    split = KVSplit(threads=2)
+    batch = SampledBatch((215, 299, 149), (2, 2, 2))
+    assert split.sampled_rows(299, [298, 299, 300], 4, 2, batch=batch, index=1) == [(1, [(0, 128), (128, 300)])]
+    assert split.sampled_rows(299, [298, 299, 300], 4, 2) == [(1, [(0, 160), (160, 300)]),
+                                                             (2, [(0, 160), (160, 301)])]
+    assert split.sampled_rows(215, [215], 4, 2, batch=batch, index=0) == []
+    with pytest.raises(ValueError, match="not a request with a prompt of 200"):
+        split.sampled_rows(200, [215], 4, 2, batch=batch, index=0)
+
+
 def test_a_split_row_is_attention_merged_from_its_chunks():
     """The split rows are softmax attention still (close to FP64), other rows are bit-equal to the
     unsplit reference, and a split changes some BF16 outputs (what the split model is for)."""
