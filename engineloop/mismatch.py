@@ -564,7 +564,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                 + (f" ({why})" if why else ""))
     if batch_check:
         report.batch_check = batch_invariance(cap)
-        if kv_split is not None:
+        if exact:  # split-KV off, as_sampled changes nothing: exact mode against a batch-invariant engine
             note("trainer: exact, against the engine's batched decode runs")
             report.batch_check["exact"] = batch_exact_rows(model, prof, kv_split, cap)
         if not report.batch_check["batch_invariant"]:
@@ -572,14 +572,16 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
             split = eng.get("attention", {}).get("split_kv")
             report.warnings.append(
                 f"the engine's log-probs change with the batch: {', '.join(bad)} differ from the same sequences scored "
-                "alone; no trainer can match every batch composition (see the batch check)"
+                "alone; a trainer must score each sequence as it was batched (see the batch check)"
                 + ("; vLLM's CPU attention splits decode contexts across threads by the batch's shape "
-                   "(VLLM_CPU_ATTN_SPLIT_KV=1): measured batch-invariant with VLLM_CPU_ATTN_SPLIT_KV=0 (docs/mismatch.md)"
+                   "(VLLM_CPU_ATTN_SPLIT_KV=1): measured batch-invariant with VLLM_CPU_ATTN_SPLIT_KV=0 (docs/mismatch.md); "
+                   "exact mode scores a batched decode as sampled together (emulator.as_sampled(prompt_lengths, "
+                   "completion_lengths); with --exact, the batch check's exact rows)"
                    if split else ""))
     return report
 
 
-def batch_exact_rows(model, prof: Profile, kv_split: KVSplit, cap: dict[str, Any]) -> list[dict[str, Any]]:
+def batch_exact_rows(model, prof: Profile, kv_split: KVSplit | None, cap: dict[str, Any]) -> list[dict[str, Any]]:
     """Exact mode against the engine's decode runs with several requests in one call (the batch check's
     "decoded together" runs): each sequence scored in one forward with its completion rows split as the
     engine's decode steps split them, as sampled alone (``as_sampled(prompt length)``, what a trainer that

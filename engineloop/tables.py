@@ -68,7 +68,17 @@ def batch_table(bc: dict) -> Group:
     ok = bc["batch_invariant"]
     verdict = Text("engine batch-invariant: " + ("yes: every log-prob bit-equal in every composition" if ok else
                    "NO: its log-probs change with the batch"), style="green bold" if ok else "red bold")
-    return Group(t, verdict)
+    if not bc.get("exact"):
+        return Group(t, verdict)
+    x = Table(title="exact mode against the engine's batched decode (each sequence in one forward, split-KV as "
+                    "sampled alone / together: emulator.as_sampled)")
+    x.add_column("engine run", min_width=18)
+    x.add_column("trainer", min_width=18)
+    x.add_column("exact match", no_wrap=True)
+    x.add_column("|dlogp| max", no_wrap=True)
+    for r in bc["exact"]:
+        x.add_row(r["composition"], r["trainer"], f"{r['exact_match']:.1%} of {r['tokens']}", f"{r['abs_dlogp_max']:.1e}")
+    return Group(t, verdict, x)
 
 
 def check_plot_available(option: str = "--plot") -> None:

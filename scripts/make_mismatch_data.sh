@@ -8,7 +8,7 @@
 # The MoE families (qwen3_moe: vLLM's fused-MoE experts, SGLang's native MoE, on the tiny model and a
 # wider one; qwen2_moe: its shared expert, vLLM on the tiny model).
 # Takes ~40 minutes on a 2-core CPU (each run starts the engine). --wide-only: only the wider models;
-# --batch-only: only the batch checks; --moe-only: only the MoE runs; --split-only: the wider models with vLLM's
+# --batch-only: only the batch checks (--batch-vllm-only: vLLM's); --moe-only: only the MoE runs; --split-only: the wider models with vLLM's
 # default split-KV attention; --avx2-only: vLLM's AVX2 build,
 # emulated on an AVX-512 host (scripts/emulate_cpu.sh avx2; the trainer then loads the -avx2 profile).
 set -euo pipefail
@@ -33,11 +33,14 @@ batch() {  # engine, name, then probe-engine mismatch options
     "$PY" -m engineloop.cli mismatch "$engine" --batch-check --json "$D/batch-$engine-$ver-$name.json" "$@" >/dev/null
 }
 LONG=(--prompts 6 --prompt-len 150 --max-tokens 24)
+batch_vllm() {  # with --exact: exact mode against the batched decode runs too
+  batch vllm qwen2 --family qwen2 --exact
+  batch vllm qwen2-long --family qwen2 --exact "${LONG[@]}"
+  VLLM_CPU_ATTN_SPLIT_KV=0 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " batch vllm qwen2-long-nosplit --family qwen2 --exact "${LONG[@]}"
+  batch vllm qwen3-long-eager --family qwen3 --mode eager --exact "${LONG[@]}"
+}
 batch_all() {
-  batch vllm qwen2 --family qwen2
-  batch vllm qwen2-long --family qwen2 "${LONG[@]}"
-  VLLM_CPU_ATTN_SPLIT_KV=0 PREFIX="VLLM_CPU_ATTN_SPLIT_KV=0 " batch vllm qwen2-long-nosplit --family qwen2 "${LONG[@]}"
-  batch vllm qwen3-long-eager --family qwen3 --mode eager "${LONG[@]}"
+  batch_vllm
   batch sglang qwen2 --family qwen2
   batch sglang qwen2-long --family qwen2 "${LONG[@]}"
 }
@@ -100,6 +103,11 @@ if [[ "${1:-}" == --split-only ]]; then
 fi
 if [[ "${1:-}" == --avx2-only ]]; then
   avx2_all
+  "$PY" scripts/make_mismatch_docs.py
+  exit 0
+fi
+if [[ "${1:-}" == --batch-vllm-only ]]; then
+  batch_vllm
   "$PY" scripts/make_mismatch_docs.py
   exit 0
 fi

@@ -36,7 +36,8 @@ BATCH_INTRO = """## Batch invariance: the engine against itself
 
 `probe-engine mismatch ENGINE --batch-check` has the engine score the same sequences again in other
 batch compositions (alone again, all together, reversed, each beside a longer unrelated sequence; the
-prompts decoded greedily alone, alone again and all together) and compares each log-prob bitwise with
+prompts decoded greedily alone, alone again and all together, and for vLLM all together with staggered
+completion lengths, so that requests leave the batch at different steps) and compares each log-prob bitwise with
 the same sequence alone. A trainer scores a sequence one way; where the engine's numbers change with
 the batch, no trainer can match every rollout. "tokens/forward" shows that the sequences really shared
 an engine forward. The control rows (alone, again) show the engine repeats itself."""
@@ -66,6 +67,15 @@ def batch_section(files: list[Path]) -> list[str]:
             parts.append(f"| {r['composition']} | {kind} | {'/'.join(map(str, sorted(set(r['requests_per_call']))))} | {shown} | {eq} | "
                          f"{r['abs_dlogp_max']:.2e} |")
         parts.append("")
+        if bc.get("exact"):
+            parts += ["Exact mode (`--exact`) against the engine's batched decode runs, each sequence scored in one "
+                      "forward: its completion rows split as sampled alone (`as_sampled(prompt_length)`) and as "
+                      "sampled together with its batch (`as_sampled(prompt_lengths, completion_lengths, rows=[i])`).",
+                      "", "| engine run | completion lengths | trainer | exact match | \|Δlogp\| max |", "|---|---|---|---|---|"]
+            for r in bc["exact"]:
+                parts.append(f"| {r['composition']} | {' '.join(map(str, r['completion_lengths']))} | {r['trainer']} | "
+                             f"{pct(r['exact_match'])} of {r['tokens']} | {r['abs_dlogp_max']:.2e} |")
+            parts.append("")
     return parts
 
 

@@ -441,3 +441,50 @@ def test_one_forward_as_sampled_gives_the_split_decode_rows():
                     pass
     finally:
         h.remove()
+
+
+def test_as_sampled_together_scores_an_engine_batch_and_its_micro_batches():
+    """as_sampled(prompt_lengths, completion_lengths): the rows are one engine batch decoded together, each
+    decode step split by the plan of the whole step (KVSplit.plan_batch; checked against vLLM's batched
+    decode in tests/engines). The split then differs from each sequence sampled alone; a micro-batch
+    (rows=) gives its rows the same bits as the whole batch; bad input is refused."""
+    model = tiny_model("qwen2", seed=1)
+    g = torch.Generator().manual_seed(5)  # seed 5: the batch's plan changes some logits (2 rows)
+    prompts, completions = [150, 130, 170], [24, 12, 24]
+    seqs = [torch.randint(0, 256, (1, p + c), generator=g) for p, c in zip(prompts, completions)]
+    width = max(s.shape[1] for s in seqs)
+    batch = torch.cat([torch.cat([torch.zeros(1, width - s.shape[1], dtype=s.dtype), s], 1) for s in seqs])
+    mask = torch.ones_like(batch)
+    for i, s in enumerate(seqs):
+        mask[i, :width - s.shape[1]] = 0
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CapabilityMismatch)
+        h = emulator.apply_profile(model, ENGINE, exact=True, kv_split=2)
+    try:
+        with torch.no_grad():
+            with emulator.as_sampled(prompts, completions):
+                together = model(batch, attention_mask=mask, position_ids=pos).logits
+            with emulator.as_sampled(prompts):
+                alone = model(batch, attention_mask=mask, position_ids=pos).logits
+            changed = 0
+            for i, (s, p, c) in enumerate(zip(seqs, prompts, completions)):
+                rows = slice(width - c - 1, width - 1)  # the rows that give the completion's log-probs
+                with emulator.as_sampled(prompts, completions, rows=[i]):
+                    one = model(s).logits
+                assert_same_bits(one[:, -c - 1:-1], together[i:i + 1, rows], f"request {i} as a micro-batch")
+                changed += int((together[i, rows] != alone[i, rows]).any(-1).sum())
+            assert changed, "no completion row differs from the sequences sampled alone: the test cannot tell"
+            for kw, msg in ((dict(prompt_lengths=prompts, rows=[0]), "give completion_lengths"),
+                            (dict(prompt_lengths=prompts, completion_lengths=[3, 4]), "one prompt length per request"),
+                            (dict(prompt_lengths=150, completion_lengths=[3]), "one prompt length per request"),
+                            (dict(prompt_lengths=prompts, completion_lengths=completions, rows=[3]), "indices of the 3"),
+                            (dict(prompt_lengths=prompts, completion_lengths=[1, 0, 2]), "positive integers")):
+                with pytest.raises(InputError, match=msg):
+                    with emulator.as_sampled(**kw):
+                        pass
+            with pytest.raises(InputError, match="1 requests of the engine batch for a forward of 3 rows"):
+                with emulator.as_sampled(prompts, completions, rows=[1]):
+                    model(batch, attention_mask=mask, position_ids=pos)
+    finally:
+        h.remove()

@@ -193,3 +193,46 @@ def test_exact_mode_splits_attention_as_vllms_default_split_kv_decode(tmp_path):
     else:
         warnings.warn("the engine's split decode equalled its prefill on these tokens: the split did not matter here",
                       stacklevel=1)
+
+
+@pytest.mark.engine
+def test_exact_mode_scores_vllms_batched_split_kv_decode_as_sampled_together(tmp_path):
+    """Requests decoded together share the threads: vLLM's scheduler plans the split-KV decode of each step
+    for the whole batch, so a sequence's log-probs decoded in a batch are not those decoded alone (107 of 144
+    equal, 2026-12-05, AVX512, 2 threads). Exact mode scoring each sequence in one forward as sampled
+    together with its batch (as_sampled(prompt_lengths, completion_lengths, rows=[i])) matches every
+    log-prob of the batched runs, lockstep and with staggered lengths (requests leaving reorder the batch)."""
+    require_env("vllm", VERSION)
+    out = tmp_path / "b.json"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_ATTN_SPLIT_KV"}  # the engine's default
+    r = subprocess.run(
+        [sys.executable, "-m", "engineloop.cli", "mismatch", "vllm", "--family", "qwen2", "--exact", "--batch-check",
+         "--prompts", "6", "--prompt-len", "150", "--max-tokens", "24", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=1200, env=env,
+    )
+    sys.stdout.write(r.stdout[-4000:])
+    assert r.returncode == 0, f"probe-engine mismatch failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
+    d = json.loads(out.read_text())
+    att, bc = d["engine"]["attention"], d["batch_check"]
+    engine_rows = {x["composition"]: x for x in bc["rows"]}
+    rows = {(x["composition"], x["trainer"]): x for x in bc["exact"]}
+    runs = ("decoded together", "decoded together, staggered lengths")
+    assert {c for c, _ in rows} == set(runs), rows.keys()
+    assert engine_rows[runs[1]]["forward_tokens"][0] > 600, "the staggered run's prompts did not share a prefill"
+    prof = get_profile(d["profile"])
+    here, there = d["engine"].get("cpu_capability"), prof.engine.settings.get("cpu_capability")
+    if here != there:
+        warnings.warn(f"batched exact mode: the engine ran on {here}, the profile was probed on {there}: "
+                      f"{ {k: v['exact_match'] for k, v in rows.items()} }", stacklevel=1)
+        return
+    for run in runs:
+        together = rows[(run, "exact, one forward as sampled together")]
+        assert together["exact_match"] == 1.0 and together["abs_dlogp_max"] == 0.0, together
+        e = engine_rows[run]
+        if att["split_kv"] and att["torch_threads"] >= 2 and e["equal"] < e["tokens"]:
+            # the batch changed the engine's decode: scoring each sequence as sampled alone cannot match it
+            assert rows[(run, "exact, one forward as sampled alone")]["exact_match"] < 1.0
+        else:
+            warnings.warn(f"{run}: the engine's batched decode equalled its decode alone here (split-KV "
+                          f"{att['split_kv']}, {att['torch_threads']} threads): the batch's plan was not exercised",
+                          stacklevel=1)
