@@ -828,6 +828,22 @@ def _qkv(b: int = 1, hq: int = 2, hk: int = 1, tq: int = 3, tk: int = 3, d: int 
     return [_x((b, hq, tq, d), seed=10), _x((b, hk, tk, d), seed=11), _x((b, hk, tk, d), seed=12)]
 
 
+def _as_sampled(*args: Any, batch: int | None = None, **kw: Any) -> Callable[..., Any]:
+    """Enter emulator.as_sampled(*args, **kw); with ``batch``, run exact attention on that many rows in it
+    (vLLM's CPU kernel point, split-KV on two threads)."""
+    from engineprofiles.probe.attention import KERNEL_STARTS
+    from engineprofiles.regions.attention import KVSplit
+
+    def call(*inputs: Any) -> Any:
+        with emulator.as_sampled(*args, **kw):
+            if batch is None:
+                return None
+            point = dict(KERNEL_STARTS)["vLLM's CPU attention kernel"]
+            return F.attention(*inputs, point, kv_split=KVSplit(threads=2))
+
+    return call
+
+
 # -- the cases ------------------------------------------------------------------------------------
 
 PF, CLI, AP, OPS = CATEGORIES
@@ -1090,6 +1106,15 @@ def _cases() -> list[Case]:
     add("op-attention-heads", OPS, "attention with 3 key heads for 2 query heads",
         _op(_no_ref(lambda q, k, v: F.attention(q, k, v, P_ATTENTION), *_qkv(hq=2, hk=3))),
         Raises(InputError, "Hk dividing Hq"))
+    add("op-as-sampled-rows-without-completions", OPS, "as_sampled(prompt_lengths, rows=[0]) without completion "
+        "lengths", _op(_no_ref(_as_sampled([3], rows=[0]))), Raises(InputError, "give completion_lengths too"))
+    add("op-as-sampled-completion-count", OPS, "as_sampled with 2 prompt lengths and 1 completion length",
+        _op(_no_ref(_as_sampled([3, 4], [2]))), Raises(InputError, "one prompt length per request"))
+    add("op-as-sampled-row-out-of-range", OPS, "as_sampled(rows=[1]) for a batch of one request",
+        _op(_no_ref(_as_sampled([3], [2], rows=[1]))), Raises(InputError, "rows are indices of the 1 requests"))
+    add("op-as-sampled-forward-rows", OPS, "split attention on 2 rows inside as_sampled of a 1-request engine batch",
+        _op(_no_ref(_as_sampled([3], [1], batch=2), *_qkv(b=2))),
+        Raises(InputError, "1 requests of the engine batch for a forward of 2 rows"))
     add("op-attention-no-profile-attention", OPS, "attention with a profile without measured attention",
         _op(_no_ref(lambda q, k, v: F.attention(q, k, v, synthetic_profile()), *_qkv())),
         Raises(RegionUnavailable, "has no measured attention"))
