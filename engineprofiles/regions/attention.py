@@ -628,9 +628,12 @@ class SampledBatch:
     one forward, then decoded together, a request leaving the batch after its last sampled token
     (``completion_lengths[i]`` tokens, the last never run as a query). When requests leave, vLLM's
     input batch moves its last request into the lowest free slot (``InputBatch.condense``), which
-    reorders the rest: the order the scheduler, and so the split-KV plan, sees. Holds where the
-    engine had room for the whole batch at once (``max_num_seqs`` and ``max_num_batched_tokens``:
-    one prefill forward), as ``LLM.generate`` with a list of prompts runs."""
+    reorders the rest: the order the scheduler, and so the split-KV plan, sees. vLLM 0.32.0's CPU
+    platform turns async scheduling off, so a request that stops (its length, EOS or a stop token)
+    has left before the next step is scheduled. Holds where the engine had room for the whole batch
+    at once (``max_num_seqs`` and ``max_num_batched_tokens``: one prefill forward) and no request
+    joined later, as ``LLM.generate`` with a list of prompts runs (checked against vLLM's batched
+    decode, lockstep and staggered lengths: tests/engines/test_exact_mode.py)."""
 
     prompt_lengths: tuple[int, ...]
     completion_lengths: tuple[int, ...]
