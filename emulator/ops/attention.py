@@ -144,12 +144,30 @@ def _one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, sc
     return out.transpose(0, 1)
 
 
+_GRADIENT_PASS: contextvars.ContextVar[bool] = contextvars.ContextVar("emulator_gradient_pass", default=False)
+
+
+@contextlib.contextmanager
+def gradient_pass() -> Iterator[None]:
+    """Within it, exact attention's forward is FP32 attention rounded once, not the engine's arithmetic:
+    for a forward run only for its gradient, whose outputs' bits another run gives
+    (``patching.forwards.compiled_stack`` with gradients on). The backward is the same either way (the
+    gradient of FP32 attention at the saved q, k, v)."""
+    token = _GRADIENT_PASS.set(True)
+    try:
+        yield
+    finally:
+        _GRADIENT_PASS.reset(token)
+
+
 def exact_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, scale: float,
                   mask: torch.Tensor | None, kv_split: KVSplit | None = None) -> torch.Tensor:
     """q [B, Hq, Tq, D], k/v [B, Hk, Tk, D] -> [B, Hq, Tq, D] in the activation dtype. ``kv_split``:
     each batch row is one request alone in the engine, its rows split as :class:`KVSplit` plans."""
     if q.numel() == 0:  # no batch row, head, query or lane: an empty output, nothing to compute
         return q.new_zeros(q.shape)
+    if _GRADIENT_PASS.get():
+        return fp32_attention(q, k, v, scale, mask).to(q.dtype)
     outs = []
     for b in range(q.shape[0]):
         allowed = allowed_from_mask(mask, b, q.shape[2], k.shape[2], q.device)

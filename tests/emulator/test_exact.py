@@ -8,6 +8,7 @@ and the whole exact path against a stand-in engine whose attention is planted.""
 from __future__ import annotations
 
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -286,6 +287,34 @@ def test_exact_mode_for_an_inductor_engine_compiles_the_stack_and_keeps_its_grad
         assert g.abs().max() > 0, name
         err, scale = float((got[name].double() - g.double()).abs().max()), float(g.double().abs().max())
         assert err <= 2.0**-5 * scale, f"d {name}: {err:.3g} > 2**-5 * {scale:.3g}"
+
+
+def test_exact_mode_with_gradients_gives_the_inference_graphs_bits():
+    """With gradients the compiled stack's training graph fuses the norms otherwise than the inference
+    graph the engine ran (it saves activations for the backward): exact mode takes the outputs' bits from
+    the inference graph and their gradient from the training graph, so a training forward's logits equal
+    a no-grad forward's bit for bit (the RL demo's loss is then on the rollout's own log-probs)."""
+    import emulator.patching.forwards as fw
+
+    model = tiny_model("qwen2", seed=0)
+    ids = torch.randint(1, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CapabilityMismatch)
+        h = emulator.apply_profile(model, ENGINE, exact=True)
+    try:
+        with torch.no_grad():
+            want = model(ids).logits
+        out = model(ids, labels=ids)
+        assert_same_bits(out.logits.detach(), want, "logits with gradients vs without")
+        out.loss.backward()
+        g = model.model.layers[0].mlp.down_proj.weight.grad
+        assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
+        with mock.patch.object(fw, "_needs_grad", lambda *a: False):  # the training graph's own bits
+            own = model(ids).logits.detach()
+        if torch.equal(own, want):
+            warnings.warn("the training graph gave the inference graph's bits here: the test cannot tell", stacklevel=1)
+    finally:
+        h.remove()
 
 
 def test_exact_mode_says_when_the_stack_cannot_be_one_graph_and_still_trains():
