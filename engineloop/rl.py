@@ -15,6 +15,7 @@ lowest eighth of the vocabulary: learnable in a few steps by a tiny random model
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -121,8 +122,10 @@ def run_demo(engine: str = "vllm", *, family: str = "qwen2", steps: int = 8, pro
     from engineprofiles.models import tiny_model
     from engineprofiles.store import get_profile
 
+    from emulator import as_sampled
+
     from .capture import prompts_for
-    from .mismatch import default_profile_name, save_model
+    from .mismatch import default_profile_name, engine_kv_split, save_model
 
     if train_with not in SETUPS:
         raise EngineProfilesError(f"--train-with must be one of {', '.join(SETUPS)}; got {train_with!r}")
@@ -145,7 +148,13 @@ def run_demo(engine: str = "vllm", *, family: str = "qwen2", steps: int = 8, pro
             elif train_with == "exact":
                 raise EngineProfilesError(f"{prof_name} has no measured attention: exact mode is unavailable; "
                                           "pass --train-with profile")
-            res = DemoResult(engine=dict(name=engine, version=version, mode=mode), profile=prof_name,
+            # vLLM's CPU attention splits long decode contexts across its threads, planned for each step's
+            # whole batch: exact mode splits them as it did, scoring each rollout batch as sampled together
+            att = worker.hello.get("attention") or {}
+            kv_split = engine_kv_split(dict(name=engine, attention=att), prof) if "exact" in setups else None
+            if kv_split is not None:
+                note(f"exact mode splits attention as the engine does: split-KV on, {kv_split.threads} threads")
+            res = DemoResult(engine=dict(name=engine, version=version, mode=mode, attention=att), profile=prof_name,
                              train_with=train_with, family=family, cpu_capability=torch.backends.cpu.get_cpu_capability())
             opt = torch.optim.Adam(model.parameters(), lr=lr)
             g = torch.Generator().manual_seed(seed)
@@ -160,10 +169,14 @@ def run_demo(engine: str = "vllm", *, family: str = "qwen2", steps: int = 8, pro
                 rec = StepRecord(step, float(reward.mean()))
                 model.eval()
                 for name, setup in setups.items():
-                    handle = apply_profile(model, setup[0], exact=setup[1]) if setup else None
+                    split = kv_split if setup and setup[1] else None
+                    handle = apply_profile(model, setup[0], exact=setup[1], kv_split=split) if setup else None
                     try:
                         train_now = name == train_with
-                        with torch.set_grad_enabled(train_now):
+                        # the rows are the engine's batch, in the order it was given them (prompt-major)
+                        sampled = (as_sampled([prompt_len] * len(ids), [comp.shape[1]] * len(ids)) if split
+                                   else contextlib.nullcontext())
+                        with torch.set_grad_enabled(train_now), sampled:
                             lp = completion_logprobs(model, ids, prompt_len)
                         m = rollout_corr(lp_engine, lp.detach())
                         rec.setups[name] = {k.split("/")[-1]: v for k, v in m.items()

@@ -8,7 +8,11 @@ stdout (the engine's own prints are sent to stderr, so replies are never mixed w
 
     {"op": "sync", "weights": PATH}     load a torch.save'd state dict (HF parameter names) in place
     {"op": "generate", "prompts": [[ids...]...], "n": N, "max_tokens": T, "seed": S, "temperature": 1.0}
-        -> {"completions": [[ids...]...], "logprobs": [[float...]...]}   (N per prompt, prompt-major)
+        -> {"completions": [[ids...]...], "logprobs": [[float...]...]}   (N per prompt, prompt-major: the
+           order the requests were given to the engine, in one call, every completion T tokens)
+
+The first reply (ready) also says the engine's thread count and whether its CPU attention splits
+decode contexts across them (``attention``: ``torch_threads``, ``split_kv``).
     {"op": "quit"}
 
 Every reply has ``"ok": true``, or ``"ok": false`` and ``"error"``.
@@ -82,8 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     llm = start_vllm(a.model, a.mode, a.seed)
     import vllm
 
+    import torch
+
+    # what exact mode needs to split attention as the engine does (vLLM's CPU split-KV decode)
+    attention = dict(torch_threads=torch.get_num_threads(),
+                     split_kv=bool(getattr(vllm.envs, "VLLM_CPU_ATTN_SPLIT_KV", False)))
     reply.write(json.dumps({"ok": True, "ready": True, "engine": "vllm", "version": vllm.__version__,
-                            "seconds": time.perf_counter() - t0}) + "\n")
+                            "attention": attention, "seconds": time.perf_counter() - t0}) + "\n")
     for line in sys.stdin:
         if not line.strip():
             continue
