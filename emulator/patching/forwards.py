@@ -379,10 +379,11 @@ def compiled_stack(cls_forward: Callable[..., Any]):
     log-probs off by an ULP with split-KV rows of 150-166 keys, tiny Qwen2, AVX512). The engine ran the
     inference graph, so the stack then runs twice: the inference graph gives the outputs' bits (and the
     KV cache), the training graph their gradient (:class:`_ValueOf`), its attention the cheap FP32
-    formula (``ops.attention.gradient_pass``: the backward is FP32 attention's gradient either way). A call that passes a KV cache in
-    runs once, in the training graph (both runs would append to it). Under the user's torch.compile the
-    same holds: with gradients the stack leaves the user's graph (a graph break, which
-    ``fullgraph=True`` refuses) and runs as these two graphs; without, it traces into the user's graph."""
+    formula (``ops.attention.gradient_pass``: the backward is FP32 attention's gradient either way).
+    A call that passes a KV cache in runs once, in the training graph (both runs would append to it).
+    Under the user's torch.compile the same holds: with gradients the stack leaves the user's graph (a
+    graph break, which ``fullgraph=True`` refuses) and runs as these two graphs; without, it traces
+    into the user's graph."""
     import weakref
 
     compiled = torch.compile(cls_forward, dynamic=True, fullgraph=True)
