@@ -364,8 +364,10 @@ def mismatch(
     head_dim: Optional[int] = typer.Option(None, help="tiny model size: head dim (default 64)"),
     batch_check: bool = typer.Option(False, "--batch-check", help="also re-score the same sequences in other batch "
                                      "compositions inside the engine (alone again, all together, reversed, beside a "
-                                     "longer sequence; the prompts decoded greedily alone and together) and report whether its log-probs "
-                                     "change with the batch (the engine then runs several sequences at once)"),
+                                     "longer sequence; the prompts decoded greedily alone and together, and for vLLM together with staggered "
+                                     "lengths) and report whether its log-probs change with the batch (the engine then "
+                                     "runs several sequences at once); with --exact, also exact mode against the batched "
+                                     "decode runs, each sequence as sampled alone and as sampled together"),
     rope_scaling: Optional[str] = typer.Option(
         None, help="tiny model's RoPE scaling (its rope_parameters; default: none): llama3 (Llama 3.1's: factor 8, "
         "low/high frequency factors 1/4, original context 8192), linear (factor 3), yarn (factor 4 over an original context of 10240) or dynamic (factor 2)"),
@@ -374,7 +376,7 @@ def mismatch(
     as-is, with the profile, with each region of the profile alone and (--exact) in exact mode
     (re-scored in one prefill, and the sampled tokens also decoded one at a time as the engine did);
     print the mismatch metrics (exact-match fraction first). --batch-check adds whether the engine's
-    own log-probs are batch-invariant."""
+    own log-probs are batch-invariant (with --exact, also exact mode against its batched decode runs)."""
     import json
     import time
 

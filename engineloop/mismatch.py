@@ -564,7 +564,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                 + (f" ({why})" if why else ""))
     if batch_check:
         report.batch_check = batch_invariance(cap)
-        if exact:  # split-KV off, as_sampled changes nothing: exact mode against a batch-invariant engine
+        if exact:  # with split-KV off as_sampled changes nothing: then exact mode against a batch-invariant engine
             note("trainer: exact, against the engine's batched decode runs")
             report.batch_check["exact"] = batch_exact_rows(model, prof, kv_split, cap)
         if not report.batch_check["batch_invariant"]:

@@ -115,8 +115,7 @@ def main() -> int:
             query=q_all, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl, seq_lens=sl, scale=d ** -0.5,
             causal=True, alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
             scheduler_metadata=meta, s_aux=None)
-        items = [(r, qs, a, b, sid) for r, qs, a, b, sid in work_items(meta, with_request=True)]
-        return list(out.split(qlens)), items
+        return list(out.split(qlens)), work_items(meta, with_request=True)
 
     def kernel(q, k, v, threads):
         outs, items = kernel_batch([(q, k, v)], threads)
@@ -196,10 +195,9 @@ def main() -> int:
         for r, row, ranges in plan:
             q, k, v = reqs[r]
             tq, tk = shapes_b[r]
-            one = KVSplit(threads=threads, merge=build_merge)
             # the row alone, with exactly the batch's chunks for it
             ref = attention_ref(q[row:row + 1], k[: tk - tq + row + 1], v[: tk - tq + row + 1], point,
-                                scale=d ** -0.5, kv_split=_Fixed(one, ranges))
+                                scale=d ** -0.5, kv_split=_Fixed(split, ranges))
             same = ref[0].view(torch.int16) == outs[r][row].view(torch.int16)
             batch["elements_matched"] += int(same.sum())
             batch["elements"] += same.numel()

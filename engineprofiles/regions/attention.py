@@ -407,7 +407,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Poin
 @dataclass(frozen=True)
 class KVSplit:
     """vLLM's CPU attention splitting a query row's keys across threads (``VLLM_CPU_ATTN_SPLIT_KV=1``,
-    vLLM's default), for one request alone in the batch (as the engine samples in `probe-engine mismatch`).
+    vLLM's default): :meth:`plan` for one request alone in the batch (as the engine samples in
+    `probe-engine mismatch`), :meth:`plan_batch` for one call over several requests.
 
     vLLM's scheduler (``torch.ops._C.get_scheduler_metadata``) gives each thread a share of the
     keys: ``share = align(sum of the query tiles' keys // threads)``, ``align`` rounding up to
