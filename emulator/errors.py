@@ -3,7 +3,7 @@
 # CapabilityMismatch (a warning: a profile probed on another CPU vector ISA or device) is defined in
 # engineprofiles.errors, where choosing a profile by engine name warns with it too; exact mode warns
 # with the same class, re-exported here.
-from engineprofiles.errors import CapabilityMismatch, EngineProfilesError  # noqa: F401
+from engineprofiles.errors import CapabilityMismatch, EngineProfilesError, MachineMismatch  # noqa: F401
 
 
 class EmulatorError(EngineProfilesError):

@@ -82,6 +82,15 @@ def emulate_cpu() -> str | None:
             + ", torch.cpu._is_avx512*/_is_amx* answered False (vLLM loads its AVX2 kernel library)")
 
 
+def machine_fields() -> dict[str, Any]:
+    """What a capture records of the machine the engine ran on: the CPU's name (``device``) and its
+    kernel-selecting features (``machine``: :mod:`engineprofiles.machine`, as this process sees them)."""
+    from engineprofiles.machine import record
+    from engineprofiles.probe.harness import device_name
+
+    return {"device": device_name("cpu"), "machine": record()}
+
+
 def kernel_libraries() -> list[str]:
     """The engine's compiled kernel libraries loaded in this process (e.g. vLLM's _C_AVX2.abi3.so)."""
     try:
@@ -242,7 +251,7 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
     return dict(
         engine=dict(name="vllm", version=str(vllm.__version__), torch_version=str(torch.__version__),
                     compilation_mode=str(getattr(cfg.mode, "name", cfg.mode)), mode=mode,
-                    cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                    cpu_capability=torch.backends.cpu.get_cpu_capability(), **machine_fields(),
                     kernel_libraries=kernel_libraries(), **({"cpu_emulated": emulated} if emulated else {}),
                     attention=dict(state["backend"], torch_threads=torch.get_num_threads(),
                                    split_kv=bool(getattr(vllm.envs, "VLLM_CPU_ATTN_SPLIT_KV", False)))),
@@ -552,6 +561,7 @@ def capture_sglang(model_dir: str, prompts: list[list[int]], max_tokens: int, se
     return dict(
         engine=dict(name="sglang", version=str(sglang.__version__), torch_version=str(torch.__version__),
                     compilation_mode="eager", mode=mode, cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                    **machine_fields(),
                     # How SGLang 0.5.23 takes log-probs on CPU: prompt log-probs as (x - max) - logsumexp(x - max)
                     # (sglang.srt.layers.logprob_processor); a sampled token's as log(softmax(x / T)) (its
                     # sampler), unless --enable-deterministic-inference (then log_softmax).

@@ -371,6 +371,10 @@ def mismatch(
     rope_scaling: Optional[str] = typer.Option(
         None, help="tiny model's RoPE scaling (its rope_parameters; default: none): llama3 (Llama 3.1's: factor 8, "
         "low/high frequency factors 1/4, original context 8192), linear (factor 3), yarn (factor 4 over an original context of 10240) or dynamic (factor 2)"),
+    allow_other_machine: bool = typer.Option(
+        False, "--allow-other-machine", help="with --exact: compute the exact rows although the profile was probed on "
+        "another machine than the engine's or this one (refused otherwise: the engine's kernels follow the CPU; the "
+        "rows then carry a warning and are no claim)"),
 ) -> None:
     """Sample with the real engine on a tiny local model, recompute the log-probs in the HF trainer
     as-is, with the profile, with each region of the profile alone and (--exact) in exact mode
@@ -400,6 +404,14 @@ def mismatch(
             runner.check_output_file(plot, "--plot")
             tables.check_plot_available()
         require("insitu", "probe-engine mismatch (the trainer side: HF models patched by the emulator)")
+        if allow_other_machine and not exact:
+            raise EngineProfilesError("--allow-other-machine concerns the exact rows: pass it with --exact")
+        if exact and profile is not None and capture is None:  # the trainer's machine, before the engine runs
+            from engineprofiles.store import get_profile
+
+            from .mismatch import check_machine
+
+            check_machine(None, get_profile(profile), allow_other_machine)
     except EngineProfilesError as e:
         _fail(e)
     from .mismatch import run_mismatch
@@ -409,6 +421,7 @@ def mismatch(
         rep = run_mismatch(engine, family=family, profile=profile, prompts=prompts, max_tokens=max_tokens, seed=seed,
                            env=env, capture_file=capture, mode=mode, exact=exact, size=size, prompt_len=prompt_len,
                            save_capture=save_capture, batch_check=batch_check, rope_scaling=rope_scaling,
+                           allow_other_machine=allow_other_machine,
                            note=lambda m: _say(err, f"  [{time.perf_counter() - t0:6.1f}s] {m}"))
     except EngineProfilesError as e:
         _fail(e)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from engineprofiles.machine import KEYS as MACHINE_KEYS
+
 CAPTURE_IMPL = "engineprofiles_teacher"
 
 
@@ -308,13 +310,22 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
     # radix cache, the sgl_kernel stand-in).
     for k, v in sorted((eng.get("settings") or {}).items()):
         settings[f"in_situ.{k}"] = v
+    # The machine is the capture's, never the start's (which may have been probed elsewhere): a capture
+    # that does not record it (made before captures did) leaves the profile's machine unrecorded.
+    for k in (*MACHINE_KEYS, "cpu_emulated", "kernel_libraries", "attention_isa"):
+        settings.pop(k, None)
+    settings.update({k: v for k, v in (eng.get("machine") or {}).items() if k in MACHINE_KEYS and v is not None})
     if eng.get("cpu_capability") is not None:
         settings["cpu_capability"] = eng["cpu_capability"]
     if eng.get("cpu_emulated"):
         settings["cpu_emulated"] = eng["cpu_emulated"]
     if eng.get("kernel_libraries"):
         settings["kernel_libraries"] = list(eng["kernel_libraries"])
-    update: dict[str, Any] = {"settings": settings}
+    isa = (eng.get("attention") or {}).get("isa")
+    if isa is not None:
+        settings["attention_isa"] = str(isa)
+    update: dict[str, Any] = {"settings": settings, "device": str(eng.get("device") or "unrecorded (the capture "
+                                                                  "predates device records)")}
     if eng.get("torch_version"):
         update["torch_version"] = eng["torch_version"]
     if attention_fit is not None:

@@ -83,12 +83,14 @@ def default_profile_name(engine: str, version: str, mode: str = "default") -> st
     capability first, then in situ over op-level. Its own warnings are not raised here (the run
     says what does not fit: :func:`engine_profile`); with no shipped profile of that version and
     mode, the name such a profile would have (the caller says it is missing)."""
-    from engineprofiles.errors import ProfileNotFound
-    from engineprofiles.select import Wanted, select
     from engineprofiles import store
+    from engineprofiles.errors import ProfileNotFound
+    from engineprofiles.machine import this_machine
+    from engineprofiles.select import Wanted, select
 
+    here = this_machine()
     wanted = Wanted(engine=engine, version=version, mode=mode, dtype="bfloat16", device="cpu",
-                    capability=torch.backends.cpu.get_cpu_capability())
+                    capability=here.capability, machine=here)
     try:
         return select([c for _, c in store.candidates()[0]], wanted).name
     except ProfileNotFound:
@@ -420,6 +422,44 @@ def engine_profile(engine: str, cap: dict[str, Any], profile: str | None, *, cap
     return prof_name, prof, warnings
 
 
+def machine_differences(eng: dict[str, Any] | None, prof: Profile) -> list[str]:
+    """Why exact mode cannot claim the captured engine's bits with ``prof``: what differs between the
+    machine the profile records and the one the capture's engine ran on (its ``machine`` record, its
+    attention ISA) or the one the trainer runs on (this one; alone when ``eng`` is None, before the
+    engine ran). Empty when all three are one machine."""
+    from engineprofiles.machine import Machine, differences, this_machine
+
+    recorded = Machine.of(prof.engine.settings)
+    out = [f"the trainer's machine: {d}" for d in differences(recorded, this_machine())]
+    if eng is None:
+        return out
+    if eng.get("machine") is not None:
+        out += [f"the engine's machine: {d}" for d in differences(recorded, Machine.of(eng["machine"]))]
+    elif recorded.known:
+        out.append("the engine's machine: the capture records no CPU features (made before captures did)")
+    isa, probed_isa = (eng.get("attention") or {}).get("isa"), prof.engine.settings.get("attention_isa")
+    if isa is not None and probed_isa is not None and str(isa) != str(probed_isa):
+        out.append(f"the engine's attention ISA: {isa}, the profile's {probed_isa}")
+    return out
+
+
+def check_machine(eng: dict[str, Any] | None, prof: Profile, allow_other_machine: bool) -> list[str]:
+    """Exact mode's machine rule for a capture: raises (naming what differs) unless
+    ``allow_other_machine``; then returns the warnings the report carries."""
+    diffs = machine_differences(eng, prof)
+    if not diffs:
+        return []
+    what = (f"profile {prof.canonical_name} (probed on {prof.engine.device}) does not describe the machine here: "
+            + "; ".join(diffs))
+    if not allow_other_machine:
+        raise EngineProfilesError(
+            f"--exact: {what}. The engine's kernels follow the machine, so exact mode refuses this: probe the engine "
+            f"on the machine it ran on (`scripts/probe.sh {prof.engine.name} {prof.engine.version}`) and pass that "
+            "profile, or add --allow-other-machine to compute the exact rows anyway (then they show what the profile's "
+            "point gives on this capture, not a claim)")
+    return [f"exact rows with --allow-other-machine: {what}; they are not expected to be bit-exact"]
+
+
 def engine_kv_split(eng: dict[str, Any], prof: Profile) -> KVSplit | None:
     """The split-KV plan of the captured engine (vLLM on CPU with ``VLLM_CPU_ATTN_SPLIT_KV=1`` and
     more than one thread, as its capture records), for exact mode; None where it split nothing.
@@ -438,12 +478,14 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                  capture_file: str | None = None, note: Callable[[str], None] = lambda m: None,
                  mode: str = "default", exact: bool = False, size: dict[str, int] | None = None,
                  prompt_len: int = 12, save_capture: str | None = None, batch_check: bool = False,
-                 rope_scaling: str | None = None) -> Report:
+                 rope_scaling: str | None = None, allow_other_machine: bool = False) -> Report:
     """``mode``: the engine's default (vLLM on CPU: compiled) or ``eager`` (enforce_eager).
     ``exact``: add the ``exact`` rows (apply_profile(..., exact=True)). ``size``: tiny_model
     overrides (:data:`SIZE_FIELDS`); ``prompt_len``: length of the first prompt. ``batch_check``:
     the engine also scores the sequences in other batch compositions (:func:`batch_invariance`).
-    ``rope_scaling``: the tiny model's RoPE scaling (engineprofiles.models.ROPE_SCALINGS)."""
+    ``rope_scaling``: the tiny model's RoPE scaling (engineprofiles.models.ROPE_SCALINGS).
+    ``allow_other_machine``: compute the exact rows although the profile's machine is not the one the
+    engine or the trainer ran on (:func:`check_machine`; refused otherwise)."""
     model, cap = model_and_capture(engine, family, size=size, capture_file=capture_file, save_capture=save_capture,
                                    prompts=prompts, max_tokens=max_tokens, seed=seed, env=env, workdir=workdir,
                                    note=note, mode=mode, prompt_len=prompt_len, batch_check=batch_check,
@@ -455,6 +497,8 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     prof_name, prof, warnings = engine_profile(engine, cap, profile, capture_file=capture_file, mode=mode, exact=exact)
     tname = trainer_profile_name()
     trainer = get_profile(tname)
+    if exact:
+        warnings += check_machine(eng, prof, allow_other_machine)
     report = Report(engine=eng, family=family, profile_name=prof_name, trainer_profile_name=tname, warnings=warnings,
                     model=model_fields(model), prompt_len=len(cap["sequences"][0]["prompt"]))
     variants: list[tuple[str, Profile | None, bool]] = [("as-is", None, False), ("+ engine profile", prof, False)]
@@ -477,7 +521,8 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     lpre = torch.tensor([x for s in seqs for x in s["prompt_logprobs"][1:]], dtype=torch.float32)
     for label, p, ex in variants:
         note(f"trainer: {label}")
-        handle = apply_profile(model, p, exact=ex, kv_split=kv_split if ex else None) if p is not None else None
+        handle = apply_profile(model, p, exact=ex, kv_split=kv_split if ex else None,
+                               allow_other_machine=allow_other_machine) if p is not None else None
         try:
             samp, full = zip(*(sequence_logprobs(model, s) for s in seqs))
         finally:
@@ -492,7 +537,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
         sampler = eng.get("decode_logprob_formula")
         formulas = ("log_softmax",) + ((sampler,) if sampler in LOGPROB_FORMULAS and sampler != "log_softmax" else ())
         note("trainer: exact, decoded")
-        handle = apply_profile(model, prof, exact=True, kv_split=kv_split)
+        handle = apply_profile(model, prof, exact=True, kv_split=kv_split, allow_other_machine=allow_other_machine)
         try:
             per_seq = [decoded_logprobs(model, s, formulas) for s in seqs]
         finally:
@@ -504,7 +549,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
             from emulator import as_sampled
 
             note("trainer: exact, one forward as sampled")
-            handle = apply_profile(model, prof, exact=True, kv_split=kv_split)
+            handle = apply_profile(model, prof, exact=True, kv_split=kv_split, allow_other_machine=allow_other_machine)
             try:
                 samp = []
                 for s in seqs:
@@ -536,7 +581,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     # in its capture: the exact trainer's logits through the engine's own formula show what is left.
     formula = eng.get("logprob_formula")
     if exact and formula in LOGPROB_FORMULAS:
-        handle = apply_profile(model, prof, exact=True, kv_split=kv_split)
+        handle = apply_profile(model, prof, exact=True, kv_split=kv_split, allow_other_machine=allow_other_machine)
         try:
             full = torch.cat([sequence_logprobs(model, s, formula)[1] for s in seqs])
         finally:
@@ -566,7 +611,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
         report.batch_check = batch_invariance(cap)
         if exact:  # with split-KV off as_sampled changes nothing: then exact mode against a batch-invariant engine
             note("trainer: exact, against the engine's batched decode runs")
-            report.batch_check["exact"] = batch_exact_rows(model, prof, kv_split, cap)
+            report.batch_check["exact"] = batch_exact_rows(model, prof, kv_split, cap, allow_other_machine)
         if not report.batch_check["batch_invariant"]:
             bad = [r["composition"] for r in report.batch_check["rows"] if r["exact_match"] < 1.0 or r.get("diverged")]
             split = eng.get("attention", {}).get("split_kv")
@@ -581,7 +626,8 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     return report
 
 
-def batch_exact_rows(model, prof: Profile, kv_split: KVSplit | None, cap: dict[str, Any]) -> list[dict[str, Any]]:
+def batch_exact_rows(model, prof: Profile, kv_split: KVSplit | None, cap: dict[str, Any],
+                     allow_other_machine: bool = False) -> list[dict[str, Any]]:
     """Exact mode against the engine's decode runs with several requests in one call (the batch check's
     "decoded together" runs): each sequence scored in one forward with its completion rows split as the
     engine's decode steps split them, as sampled alone (``as_sampled(prompt length)``, what a trainer that
@@ -592,7 +638,7 @@ def batch_exact_rows(model, prof: Profile, kv_split: KVSplit | None, cap: dict[s
 
     prompts = [s["prompt"] for s in cap["sequences"]]
     out = []
-    handle = apply_profile(model, prof, exact=True, kv_split=kv_split)
+    handle = apply_profile(model, prof, exact=True, kv_split=kv_split, allow_other_machine=allow_other_machine)
     try:
         for run in cap["batch_check"]["runs"]:
             if run["kind"] != "decode" or len(run["calls"]) != 1 or len(run["calls"][0]) < 2:

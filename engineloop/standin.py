@@ -69,6 +69,9 @@ def capture_from_trainer(model, profile=None, *, prompts: int = 2, length: int =
             handle.remove()
     import transformers
 
+    from engineprofiles.machine import record
+
     return dict(engine=dict(name="transformers", version=transformers.__version__, compilation_mode="eager",
-                            mode="stand-in", attention=dict(scale=float(model.model.layers[0].self_attn.scaling))),
+                            mode="stand-in", machine=record(),
+                            attention=dict(scale=float(model.model.layers[0].self_attn.scaling))),
                 sequences=seqs, seed=seed)

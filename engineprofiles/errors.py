@@ -74,5 +74,12 @@ class CapabilityMismatch(MismatchedProfile):
     kernels dispatch by ISA, so its evidence may not hold here."""
 
 
+class MachineMismatch(CapabilityMismatch):
+    """The profile was probed on a machine whose kernel-selecting CPU features (vendor, vector ISA,
+    AMX, ...; :mod:`engineprofiles.machine`) differ from this one's, or records none: the engine's
+    kernels follow the machine, so bit-exactness measured there is not known here. Exact mode
+    refuses such a profile unless told ``allow_other_machine=True``, then warns with this."""
+
+
 class VersionMismatch(MismatchedProfile):
     """The profile was probed on another version of the engine than the one installed here."""

@@ -26,7 +26,9 @@ profile exists:
    When the installed version has no profile, the nearest one: the newest below it, else the
    oldest above it (:class:`VersionMismatch`);
 3. on CPU, this machine's CPU capability (``torch.backends.cpu.get_cpu_capability()``, recorded in
-   profiles as ``engine.settings.cpu_capability``; :class:`CapabilityMismatch`);
+   profiles as ``engine.settings.cpu_capability``; :class:`CapabilityMismatch`); then a profile that
+   records this machine's kernel-selecting features (:mod:`engineprofiles.machine`: vendor, AMX, ...;
+   said in the reasons, since exact mode refuses another machine's profile anyway);
 4. the method: in-situ (fitted on whole models in the running engine) over op-level over synthetic;
 5. the newest probe date, then the name (so the choice is deterministic).
 """
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from .errors import CapabilityMismatch, MismatchedProfile, NoMatchingProfile, UnknownEngine, VersionMismatch
+from .machine import Machine, differences
 from .names import ACT_DTYPE_NAMES, DEFAULT_MODES, ENGINE_MODES, EXECUTION_MODES, SAFE_NAME
 
 if TYPE_CHECKING:
@@ -101,6 +104,7 @@ class Candidate:
     schema: int = 2
     device_name: str = ""
     emulated: Optional[str] = None  # engine.settings.cpu_emulated: the capability was emulated on another CPU
+    machine: Machine = field(default_factory=Machine)  # the kernel-selecting CPU features it records
 
     @classmethod
     def of(cls, name: str, profile: "Profile") -> "Candidate":
@@ -110,7 +114,7 @@ class Candidate:
         return cls(name=name, engine=e.name, version=e.version, mode=e.execution_mode, dtype=profile.dtype,
                    backend=e.backend, capability=None if cap is None else str(cap), method=profile.provenance.method,
                    date=profile.provenance.date, schema=profile.schema_version, device_name=e.device,
-                   emulated=None if emu is None else str(emu))
+                   emulated=None if emu is None else str(emu), machine=Machine.of(e.settings))
 
     def as_dict(self) -> dict[str, object]:
         """The fields `probe-engine list --json` prints (``device`` is the device type, cpu or cuda,
@@ -124,7 +128,8 @@ class Candidate:
 class Wanted:
     """What the chosen profile should fit. ``installed``: the engine version installed in this
     Python (None: not installed); ``dtype``: the model's (None: unknown, bfloat16 preferred);
-    ``device``: the model's device type; ``capability``: this CPU's (None: unknown)."""
+    ``device``: the model's device type; ``capability``: this CPU's (None: unknown); ``machine``:
+    this CPU's kernel-selecting features (:mod:`engineprofiles.machine`; None: unknown)."""
 
     engine: str
     version: Optional[str] = None
@@ -133,6 +138,7 @@ class Wanted:
     device: str = "cpu"
     capability: Optional[str] = None
     installed: Optional[str] = None
+    machine: Optional[Machine] = None  # this CPU's kernel-selecting features (None: unknown)
 
     @classmethod
     def of(cls, spec: Spec, **kw: object) -> "Wanted":
@@ -328,6 +334,17 @@ def select(candidates: Sequence[Candidate], wanted: Wanted, *, where: str = "") 
                                f"ISA, so its evidence (match rates, exact mode's bit-exactness) may not hold here. "
                                f"Probe the engine on this machine (scripts/probe.sh {w.engine} {target})"))
             reasons.append(f"CPU capability {probed} (none probed on this machine's {w.capability})")
+
+    if w.device == "cpu" and w.machine is not None and w.machine.known and all(c.backend == "cpu" for c in pool):
+        # Exact mode refuses a profile of another machine (the engine's kernels follow it); the regions'
+        # sites hold there, so for them this is a preference, said in the reasons, not a warning.
+        fit = [c for c in pool if not differences(c.machine, w.machine)]
+        if fit:
+            pool = fit
+            reasons.append(f"this machine's CPU features ({w.machine.describe()})")
+        else:
+            reasons.append(f"probed on another machine than this one ({w.machine.describe()}): exact mode refuses it; "
+                           f"probe this machine (scripts/probe.sh {w.engine} {target})")
 
     def method_rank(c: Candidate) -> int:
         return METHOD_ORDER.index(c.method) if c.method in METHOD_ORDER else len(METHOD_ORDER)

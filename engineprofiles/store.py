@@ -189,15 +189,18 @@ def choose(spec: str, *, dtype: Optional[str] = None, device: Any = None,
     if parsed is None:
         raise ProfileError(f"{spec!r} does not name an engine; write ENGINE[==VERSION][:MODE], e.g. vllm==0.32.0")
     device_type = _device_type(device)
+    machine = None
     if capability is None and device_type == "cpu":
-        import torch
+        from .machine import this_machine
 
-        capability = torch.backends.cpu.get_cpu_capability()
+        machine = this_machine()
+        capability = machine.capability
     if installed is None and parsed.version is None:
         installed = installed_version(parsed.engine)
     found, invalid = candidates()
     where = f" in {shipped_dir()}"
-    wanted = Wanted.of(parsed, dtype=dtype, device=device_type, capability=capability, installed=installed)
+    wanted = Wanted.of(parsed, dtype=dtype, device=device_type, capability=capability, installed=installed,
+                       machine=machine)
     try:
         chosen = select([c for _, c in found], wanted, where=where)
     except ProfileNotFound as e:

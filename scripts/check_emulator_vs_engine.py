@@ -27,7 +27,14 @@ with the engine's attention outputs, must match the captured q/k of every layer 
 hidden states as often as the evidence says (within --rate-tolerance; exactly where the evidence
 matched exactly).
 
-Prints a table; exit 0 all pass, 1 any fails, 2 the environment does not fit the profile.
+An in-situ profile claims what the whole engine computes on the machine it was probed on (its GEMMs
+and attention follow the CPU: vLLM runs its AMX attention where the CPU has AMX). Where this machine's
+kernel-selecting features (engineprofiles.machine) differ from the ones the profile records, the
+check refuses (exit 3) and says what differs and how to probe this machine: the profile makes no
+claim here. (Run under scripts/emulate_cpu.sh for a profile probed with an emulated capability.)
+
+Prints a table; exit 0 all pass, 1 any fails, 2 the environment does not fit the profile, 3 the
+profile was probed on another machine (in situ).
 """
 
 from __future__ import annotations
@@ -147,6 +154,16 @@ def main() -> int:
     dt = ACT_DTYPES[prof.dtype]
     t0 = time.perf_counter()
     if prof.provenance.method == "in-situ":
+        from engineprofiles.machine import Machine, differences, probe_command, this_machine
+
+        recorded, here = Machine.of(e.settings), this_machine()
+        diffs = differences(recorded, here)
+        if diffs:
+            print(f"refused: {name} was probed on {e.device} ({recorded.describe()}); this machine is "
+                  f"{here.describe()}. What differs: {'; '.join(diffs)}. The profile makes no claim about this "
+                  f"machine's engine: probe it here (`{probe_command(e.name)} {e.version}`) and check that profile",
+                  flush=True)
+            return 3
         rows = check_in_situ(prof, args)
         return report(name, rows, t0)
     adapter = make_adapter(e.name, MODES[key], dt, args.device)

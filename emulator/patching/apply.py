@@ -18,6 +18,7 @@ from ..errors import (
     ExactModeUnavailable,
     InexactEvidence,
     InputError,
+    MachineMismatch,
     ProfileMismatch,
     RegionUnavailable,
     UnsupportedModel,
@@ -125,8 +126,45 @@ def _shared_point(profile: Profile, decoders: list[Decoder]) -> Point | None:
                         "shared expert and sum with the routed experts", 5)
 
 
-def _check_exact(model: torch.nn.Module, decoders: list[Decoder], profile: Profile) -> Point:
-    """Exact mode's own refusals (before anything changes) and its capability warning."""
+def _check_machine(model: torch.nn.Module, profile: Profile, allow_other_machine: bool) -> None:
+    """Exact mode claims the engine's bits, which follow the machine's kernels (attention ISA, GEMM
+    path, vector ISA): refused (:class:`ExactModeUnavailable`) where this machine is not the one the
+    profile records, or the model is on another device type than the profile was probed on;
+    ``allow_other_machine`` makes it a :class:`MachineMismatch` warning."""
+    import warnings
+
+    from engineprofiles.machine import Machine, differences, probe_command, this_machine
+
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if dev.type != profile.engine.backend:
+        diffs = [f"device: profile probed on {profile.engine.backend}, the model is on {dev.type}"]
+        recorded, here = None, None
+    elif dev.type == "cpu":
+        recorded, here = Machine.of(profile.engine.settings), this_machine()
+        diffs = differences(recorded, here)
+    else:
+        return  # GPU machines are not described yet: the device check above is all there is
+    if not diffs:
+        return
+    what = (f"profile {profile.canonical_name} was probed on {profile.engine.device}"
+            + (f" ({recorded.describe()})" if recorded is not None else "")
+            + (f"; this machine is {here.describe()}" if here is not None else "")
+            + f". What differs: {'; '.join(diffs)}. The engine's kernels (attention ISA, GEMM path, vector ISA) "
+              "follow the machine, so exact mode would not reproduce its bits here")
+    if allow_other_machine:
+        warnings.warn(what + " (allow_other_machine=True: exact mode runs the profile's point anyway)",
+                      MachineMismatch, stacklevel=4)
+        return
+    raise ExactModeUnavailable(
+        what + f". Probe the engine on this machine (`{probe_command(profile.engine.name)}`, or "
+        f"`probe-engine {profile.engine.name}` in its environment) and apply that profile, or pass "
+        "allow_other_machine=True to run the profile's point with a warning; nothing was changed")
+
+
+def _check_exact(model: torch.nn.Module, decoders: list[Decoder], profile: Profile,
+                 allow_other_machine: bool = False) -> Point:
+    """Exact mode's own refusals (before anything changes): attention unmeasured, sliding windows,
+    dropout, another machine than the profile's (:func:`_check_machine`)."""
     import warnings
 
     if not profile.available("attention"):
@@ -151,15 +189,7 @@ def _check_exact(model: torch.nn.Module, decoders: list[Decoder], profile: Profi
             f"profile {profile.canonical_name}: its attention point matched the engine on {rate:.4%} of the probed "
             "elements, not all; exact mode computes that point, so it cannot be bit-exact to this engine",
             InexactEvidence, stacklevel=3)
-    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-    probed_cap = profile.engine.settings.get("cpu_capability")
-    if dev.type == "cpu" and profile.engine.backend == "cpu" and probed_cap is not None:
-        here = torch.backends.cpu.get_cpu_capability()
-        if here != probed_cap:
-            warnings.warn(
-                f"profile {profile.canonical_name} was probed on a CPU with capability {probed_cap}, this one is {here}: "
-                "the engine's kernels dispatch by vector ISA, so exact mode may not be bit-exact here; re-probe the "
-                "engine on this machine", CapabilityMismatch, stacklevel=3)
+    _check_machine(model, profile, allow_other_machine)
     return profile.point("attention")
 
 
@@ -207,7 +237,8 @@ def _model_device(model: torch.nn.Module) -> torch.device | None:
 
 
 def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native: bool = True,
-                  exact: bool = False, record: bool = False, kv_split: KVSplit | int | None = None) -> PatchHandle:
+                  exact: bool = False, record: bool = False, kv_split: KVSplit | int | None = None,
+                  allow_other_machine: bool = False) -> PatchHandle:
     """Patch ``model`` (a HF transformers Qwen2/Qwen2.5, Qwen3, Llama, Mistral, Qwen3-MoE or Qwen2-MoE model, possibly
     wrapped by PEFT or FSDP2) in place so that RoPE, SwiGLU and the residual RMSNorm round where ``profile``
     says; in a Qwen3-MoE model the sparse MoE blocks' experts also compute at the profile's ``moe`` point
@@ -264,8 +295,11 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     (the profile's ``attention`` entry, prefill and decode), so that with the regions and HF's own
     matmuls the forward reproduces the engine's log-probs bit for bit where the profile's evidence
     says it can. Refused (:class:`ExactModeUnavailable`, nothing changed) for a profile without
-    measured attention, sliding-window attention or attention dropout; a profile probed on another
-    CPU capability is a :class:`CapabilityMismatch` warning.
+    measured attention, sliding-window attention or attention dropout, and where this machine is not
+    the one the profile records (:mod:`engineprofiles.machine`: CPU vendor, vector ISA, AMX and the
+    other kernel-selecting features; a profile that records none; a model on another device type than
+    the profile's), since the engine's kernels follow the machine. ``allow_other_machine=True`` turns
+    that last refusal into a :class:`MachineMismatch` warning and runs the profile's point anyway.
 
     ``kv_split`` (exact mode, a vLLM CPU profile): the engine ran with ``VLLM_CPU_ATTN_SPLIT_KV=1``
     (vLLM's default) and this many OpenMP threads (an int, or a
@@ -313,7 +347,7 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     moe_point = _moe_point(prof, decoders)
     shared_point = _shared_point(prof, decoders)
     _check_patchable(model, decoders)
-    exact_point = _check_exact(model, decoders, prof) if exact else None
+    exact_point = _check_exact(model, decoders, prof, allow_other_machine) if exact else None
     if kv_split is not None and (prof.engine.name != "vllm" or prof.engine.backend != "cpu"):
         raise ExactModeUnavailable(
             f"kv_split models vLLM's CPU attention scheduler; profile {prof.canonical_name} is of "

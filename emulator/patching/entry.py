@@ -210,7 +210,7 @@ def _family_classes(family: str) -> tuple[Any, list[type]]:
 
 
 def patch_family(family: str, profile: Any = None, *, skip_native: bool = True, exact: bool = False,
-                 record: bool = False) -> ClassPatch:
+                 record: bool = False, allow_other_machine: bool = False) -> ClassPatch:
     """Class-level patching (call it before ``from_pretrained``, as Liger's ``apply_liger_kernel_to_*``):
     every model of ``family`` built while the returned :class:`ClassPatch` is active is patched with
     ``profile`` (anything :func:`~emulator.patching.apply.apply_profile` takes; None: the profile
@@ -218,7 +218,8 @@ def patch_family(family: str, profile: Any = None, *, skip_native: bool = True, 
     :data:`~emulator.patching.families.FAMILIES`."""
     if family not in FAMILIES:
         raise UnsupportedModel(f"no model family {family!r}; supported: {families_text()}")
-    patch = ClassPatch(family, profile, dict(skip_native=skip_native, exact=exact, record=record))
+    patch = ClassPatch(family, profile, dict(skip_native=skip_native, exact=exact, record=record,
+                                             allow_other_machine=allow_other_machine))
     base, classes = _family_classes(family)
 
     for cls in classes:
@@ -266,8 +267,10 @@ def _restore(cls: type, name: str, had: bool, before: Any):
 
 
 def _named(family: str):
-    def patch(profile: Any = None, *, skip_native: bool = True, exact: bool = False, record: bool = False) -> ClassPatch:
-        return patch_family(family, profile, skip_native=skip_native, exact=exact, record=record)
+    def patch(profile: Any = None, *, skip_native: bool = True, exact: bool = False, record: bool = False,
+              allow_other_machine: bool = False) -> ClassPatch:
+        return patch_family(family, profile, skip_native=skip_native, exact=exact, record=record,
+                            allow_other_machine=allow_other_machine)
 
     patch.__name__ = f"patch_{family}"
     patch.__doc__ = (f"Class-level patching of the {FAMILIES[family].models} family: "

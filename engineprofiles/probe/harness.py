@@ -324,6 +324,16 @@ def _attention(adapter: Adapter, regions: list[str] | None, dt: torch.dtype, see
     return fit.point, Evidence(**ev)
 
 
+def machine_record(device: str) -> dict[str, Any]:
+    """The ``engine.settings`` entries that describe the machine a probe on ``device`` runs on: on a
+    CPU the kernel-selecting features (:mod:`engineprofiles.machine`), on a GPU nothing yet."""
+    if device.startswith("cuda"):
+        return {}
+    from ..machine import record
+
+    return record()
+
+
 def device_name(device: str) -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))

@@ -4,6 +4,13 @@ own environment).
 
 A missing engine environment is a failure, never a skip: the shipped profiles claim what these
 engines do, and the claim that the trainer reproduces them is checked on every run.
+
+An in-situ profile's claim holds on the machine it was probed on (engineprofiles.machine): the test
+computes from this machine's features whether the profile fits it. Where it fits, the check must
+pass; where it does not (an AMX machine and a profile probed without AMX, say), the check must refuse
+(exit 3) naming what differs, and the test says so in the run's warnings. A profile probed under an
+emulated capability (scripts/emulate_cpu.sh) is checked under the same emulation where this host can
+emulate it.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ import warnings
 from pathlib import Path
 
 import pytest
+import yaml
 
+from engineprofiles.machine import EMULATED_ISA, Machine, differences, this_machine
 from engineprofiles.store import shipped_profiles
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,9 +45,18 @@ def engine_python(prof) -> Path:
     return python
 
 
-def run_check(python: Path, *args: str) -> subprocess.CompletedProcess:
+def emulation(prof) -> str | None:
+    """The capability the profile's probe emulated (scripts/emulate_cpu.sh), if this host can emulate it."""
+    if not prof.engine.settings.get("cpu_emulated"):
+        return None
+    cap = str(prof.engine.settings.get("cpu_capability", "")).lower()
+    return cap if cap in EMULATED_ISA and "avx512f" in (this_machine().flags or ()) else None
+
+
+def run_check(python: Path, *args: str, emulate: str | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "EMULATOR_BACKEND")}
-    r = subprocess.run([str(python), str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
+    pre = [str(REPO / "scripts" / "emulate_cpu.sh"), emulate] if emulate else []
+    r = subprocess.run([*pre, str(python), str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=900)
     sys.stdout.write(r.stdout[-8000:])
     return r
@@ -52,7 +70,17 @@ def test_every_shipped_engine_profile_is_checked():
 @pytest.mark.engine
 @pytest.mark.parametrize("name,prof", ENGINE_PROFILES, ids=[n for n, _ in ENGINE_PROFILES])
 def test_the_patched_trainer_reproduces_the_engine_the_profile_was_probed_from(name, prof):
-    r = run_check(engine_python(prof), name)
+    emulate = emulation(prof)
+    diffs = differences(Machine.of(prof.engine.settings), this_machine(emulate))
+    r = run_check(engine_python(prof), name, emulate=emulate)
+    if prof.provenance.method == "in-situ" and diffs:
+        # The profile was probed on another machine: the check must refuse, naming what differs.
+        assert r.returncode == 3, f"{name}: probed on another machine ({diffs}), the check must refuse:\n" \
+                                  f"{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+        assert r.stdout.startswith("refused: ") and all(d.split(":")[0] in r.stdout for d in diffs), r.stdout
+        warnings.warn(f"{name}: not this machine's profile; the check refused as it must ({'; '.join(diffs)})",
+                      stacklevel=1)
+        return
     assert r.returncode == 0, f"{name}: the patched trainer does not reproduce the engine:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     assert "all regions reproduce the engine" in r.stdout
     assert " FAIL " not in r.stdout
@@ -77,3 +105,21 @@ def test_the_check_fails_when_the_profile_is_wrong(tmp_path):
     r = run_check(engine_python(prof), str(path), "--region", "swiglu", "--family", "qwen2")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "FAIL" in r.stdout and "swiglu" in r.stdout
+
+
+@pytest.mark.engine
+def test_the_in_situ_check_refuses_a_profile_of_another_machine(tmp_path):
+    # The must-fail control of the machine rule: a vLLM in-situ profile recording this machine with one
+    # feature toggled (AMX) is another machine's profile, which the check refuses (exit 3) before running
+    # the engine, whatever machine this is.
+    name, prof = next((n, p) for n, p in ENGINE_PROFILES
+                      if p.provenance.method == "in-situ" and p.engine.name == "vllm" and emulation(p) is None)
+    here = this_machine().settings()
+    here["cpu_isa"] = sorted(set(here["cpu_isa"]) ^ {"amx_tile"})
+    data = yaml.safe_load(prof.to_yaml())
+    data["engine"]["settings"].update(here)
+    path = tmp_path / "other-machine.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    r = run_check(engine_python(prof), str(path))
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "refused: " in r.stdout and "amx_tile" in r.stdout and "scripts/probe.sh vllm" in r.stdout

@@ -15,7 +15,7 @@ import torch
 
 import emulator
 from emulator import functional as F
-from emulator.errors import CapabilityMismatch, ExactModeUnavailable, InputError, RegionUnavailable
+from emulator.errors import CapabilityMismatch, ExactModeUnavailable, InputError, MachineMismatch, RegionUnavailable
 from emulator.ops.attention import fp32_attention
 from engineprofiles import store
 from engineprofiles.models import tiny_model
@@ -28,6 +28,19 @@ from .helpers import assert_same_bits
 ENGINE = "vllm-0.32.0-cpu-inductor-bfloat16-insitu"
 POINT = get_profile(ENGINE).point("attention")
 OTHER = POINT.replace(probs="rounded")  # SDPA-like: the weights rounded before P.V
+
+
+def on_machine(prof, **change):
+    """``prof`` as if probed on this machine with ``change`` (engineprofiles.machine fields) applied."""
+    from engineprofiles.machine import this_machine
+
+    settings = {**prof.engine.settings, **this_machine().settings(), **change}
+    return prof.model_copy(update={"engine": prof.engine.model_copy(update={"settings": settings})})
+
+
+# The shipped profile as if probed on this machine: exact mode's emulation is tested on any machine
+# (the machine rule itself is tested below with profiles of other machines).
+HERE = on_machine(get_profile(ENGINE))
 
 
 @pytest.fixture
@@ -151,15 +164,15 @@ def test_apply_profile_exact_refuses_sliding_window_and_dropout():
     m = tiny_model("qwen2", seed=0)
     m.model.layers[1].self_attn.sliding_window = 8
     with pytest.raises(ExactModeUnavailable, match="sliding-window"):
-        emulator.apply_profile(m, ENGINE, exact=True)
+        emulator.apply_profile(m, HERE, exact=True)
     m = tiny_model("mistral", seed=0, sliding_window=8)  # Mistral's window is in its config, not its attention
     assert not hasattr(m.model.layers[0].self_attn, "sliding_window")
     with pytest.raises(ExactModeUnavailable, match="sliding-window"):
-        emulator.apply_profile(m, ENGINE, exact=True)
+        emulator.apply_profile(m, HERE, exact=True)
     m = tiny_model("llama", seed=0)
     m.model.layers[0].self_attn.attention_dropout = 0.1
     with pytest.raises(ExactModeUnavailable, match="dropout"):
-        emulator.apply_profile(m, ENGINE, exact=True)
+        emulator.apply_profile(m, HERE, exact=True)
 
 
 def test_a_profile_whose_attention_evidence_is_not_bitwise_is_a_clear_warning(tmp_path):
@@ -180,13 +193,63 @@ def test_a_profile_whose_attention_evidence_is_not_bitwise_is_a_clear_warning(tm
     h.remove()
 
 
-def test_a_profile_from_another_cpu_capability_is_a_clear_warning(monkeypatch):
-    prof = get_profile(ENGINE)
-    other = "AVX2" if prof.engine.settings.get("cpu_capability") != "AVX2" else "AVX512"
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)
-    with pytest.warns(CapabilityMismatch, match=f"this one is {other}"):
+@pytest.mark.parametrize("change,named", [
+    (dict(cpu_vendor="SomeOtherVendor"), "vendor"),
+    (dict(cpu_isa=["amx_tile"]), "amx_tile"),      # an AMX machine's profile (vLLM runs its amx attention there)
+    (dict(cpu_capability="AVX2"), "vector ISA"),
+    (dict(cpu_flags=None, cpu_isa=None, cpu_vendor=None), "records no CPU features"),
+])
+def test_exact_mode_refuses_a_profile_of_another_machine_and_changes_nothing(change, named):
+    from engineprofiles.machine import this_machine
+
+    from .helpers import assert_untouched, model_state
+
+    if "cpu_isa" in change:  # toggle AMX against this machine, whichever it is
+        change = dict(cpu_isa=sorted(set(this_machine().isa) ^ {"amx_tile"}))
+    prof = on_machine(get_profile(ENGINE), **change)
+    model = tiny_model("qwen2", seed=0)
+    before = model_state(model)
+    with pytest.raises(ExactModeUnavailable, match="would not reproduce") as e:
+        emulator.apply_profile(model, prof, exact=True)
+    assert named in str(e.value) and "scripts/probe.sh vllm" in str(e.value) and "allow_other_machine" in str(e.value)
+    assert_untouched(model, before)
+    assert emulator.handle_of(model) is None
+    # the explicit override: a warning naming the same difference, and the model is patched
+    with pytest.warns(MachineMismatch, match=named):
+        h = emulator.apply_profile(model, prof, exact=True, allow_other_machine=True)
+    h.remove()
+    # the regions alone make no claim about the machine's attention or GEMMs: no refusal
+    emulator.apply_profile(model, prof).remove()
+
+
+def test_exact_mode_takes_the_profile_of_this_machine_without_a_word():
+    prof = on_machine(get_profile(ENGINE))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MachineMismatch)
         h = emulator.apply_profile(tiny_model("qwen2", seed=0), prof, exact=True)
     h.remove()
+
+
+def test_exact_mode_refuses_a_cpu_profile_for_a_model_on_another_device():
+    model = tiny_model("qwen2", seed=0)
+    prof = on_machine(get_profile(ENGINE))
+    prof = prof.model_copy(update={"engine": prof.engine.model_copy(update={"backend": "cuda"})})
+    with pytest.raises(ExactModeUnavailable, match="profile probed on cuda, the model is on cpu"):
+        emulator.apply_profile(model, prof, exact=True)
+
+
+def test_a_class_patch_passes_the_machine_rule_on(tmp_path):
+    from transformers import Qwen2ForCausalLM
+
+    prof = on_machine(get_profile(ENGINE), cpu_vendor="SomeOtherVendor")
+    cfg = tiny_model("qwen2", seed=0).config
+    with emulator.patch_qwen2(prof, exact=True):
+        with pytest.raises(ExactModeUnavailable, match="vendor"):
+            Qwen2ForCausalLM(cfg)
+    with emulator.patch_qwen2(prof, exact=True, allow_other_machine=True):
+        with pytest.warns(MachineMismatch):
+            m = Qwen2ForCausalLM(cfg)
+    assert emulator.handle_of(m) is not None
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "mistral"])
@@ -197,7 +260,7 @@ def test_exact_mode_patches_attention_reverts_bit_for_bit_and_decodes_like_it_pr
         plain = model(ids).logits
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CapabilityMismatch)
-        h = emulator.apply_profile(model, ENGINE, exact=True)
+        h = emulator.apply_profile(model, HERE, exact=True)
     assert h.exact and "attention" in h.emulated and "(exact)" in repr(h)
     with torch.no_grad():
         full = model(ids).logits
@@ -222,7 +285,7 @@ def test_exact_mode_trains():
     model = tiny_model("qwen2", seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CapabilityMismatch)
-        h = emulator.apply_profile(model, ENGINE, exact=True)
+        h = emulator.apply_profile(model, HERE, exact=True)
     ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
     out = model(ids, labels=ids)
     out.loss.backward()
@@ -242,7 +305,9 @@ def test_exact_mode_against_a_stand_in_engine_with_planted_attention(tmp_path):
     cap = capture_from_trainer(model, get_profile(ENGINE), prompts=2, attention=POINT)
     f = tmp_path / "cap.pt"
     torch.save(cap, f)
-    rep = run_mismatch("vllm", family="qwen2", profile=ENGINE, capture_file=str(f), exact=True)
+    here = tmp_path / "here.yaml"
+    HERE.save(here)
+    rep = run_mismatch("vllm", family="qwen2", profile=str(here), capture_file=str(f), exact=True)
     rows, pre = dict(rep.rows), dict(rep.prefill_rows)
     assert rows["exact"].exact_match == 1.0 and rows["exact"].abs_dlogp_max == 0.0
     assert pre["exact"].exact_match == 1.0
@@ -250,7 +315,7 @@ def test_exact_mode_against_a_stand_in_engine_with_planted_attention(tmp_path):
     # a wrong attention point in the profile is caught: the exact rows are no longer exact
     cap2 = capture_from_trainer(model, get_profile(ENGINE), prompts=2, attention=OTHER)
     torch.save(cap2, f)
-    rep2 = run_mismatch("vllm", family="qwen2", profile=ENGINE, capture_file=str(f), exact=True)
+    rep2 = run_mismatch("vllm", family="qwen2", profile=str(here), capture_file=str(f), exact=True)
     assert dict(rep2.prefill_rows)["exact"].exact_match < 1.0
 
 
@@ -272,14 +337,14 @@ def test_exact_mode_for_an_inductor_engine_compiles_the_stack_and_keeps_its_grad
     model = tiny_model("qwen2", seed=4, num_hidden_layers=3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CapabilityMismatch)
-        h = emulator.apply_profile(model, ENGINE, exact=True)
+        h = emulator.apply_profile(model, HERE, exact=True)
     assert "model" in h.modules  # the stack's own forward is bound: the compiled graph
     got_logits, got = grads(model)
     h.remove()
     monkeypatch.setattr(fw, "compiled_stack", lambda cls_forward: (lambda self, *a, **k: cls_forward(self, *a, **k)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CapabilityMismatch)
-        h = emulator.apply_profile(model, ENGINE, exact=True)
+        h = emulator.apply_profile(model, HERE, exact=True)
     want_logits, want = grads(model)
     h.remove()
     assert torch.isfinite(got_logits).all()
@@ -300,7 +365,7 @@ def test_exact_mode_with_gradients_gives_the_inference_graphs_bits():
     ids = torch.randint(1, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CapabilityMismatch)
-        h = emulator.apply_profile(model, ENGINE, exact=True)
+        h = emulator.apply_profile(model, HERE, exact=True)
     try:
         with torch.no_grad():
             want = model(ids).logits
@@ -326,7 +391,7 @@ def test_exact_mode_says_when_the_stack_cannot_be_one_graph_and_still_trains():
     ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CapabilityMismatch)
-        h = emulator.apply_profile(model, ENGINE, exact=True)
+        h = emulator.apply_profile(model, HERE, exact=True)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         model(ids, labels=ids).loss.backward()  # one graph: no warning
@@ -374,9 +439,10 @@ def test_apply_profile_kv_split_refuses_bad_input_and_changes_nothing():
     for bad, exc, msg in ((dict(exact=False, kv_split=2), InputError, "pass exact=True"),
                           (dict(exact=True, kv_split=0), InputError, "positive integer"),
                           (dict(exact=True, kv_split="2"), InputError, "thread count"),
-                          (dict(exact=True, kv_split=2, profile="sglang-0.5.23-cpu-eager-bfloat16-insitu"),
+                          (dict(exact=True, kv_split=2,
+                                profile=on_machine(get_profile("sglang-0.5.23-cpu-eager-bfloat16-insitu"))),
                            ExactModeUnavailable, "vLLM's CPU attention scheduler")):
-        prof = bad.pop("profile", ENGINE)
+        prof = bad.pop("profile", HERE)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CapabilityMismatch)
             with pytest.raises(exc, match=msg):
@@ -396,7 +462,7 @@ def test_exact_mode_with_kv_split_decodes_as_the_split_engine_and_records_it():
     def decode(kv_split):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CapabilityMismatch)
-            h = emulator.apply_profile(model, ENGINE, exact=True, kv_split=kv_split, record=kv_split is not None)
+            h = emulator.apply_profile(model, HERE, exact=True, kv_split=kv_split, record=kv_split is not None)
         try:
             with torch.no_grad():
                 out = model(ids[:, :40], use_cache=True)
@@ -441,7 +507,7 @@ def test_one_forward_as_sampled_gives_the_split_decode_rows():
     ids = torch.randint(0, 256, (1, 150), generator=g)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CapabilityMismatch)
-        h = emulator.apply_profile(model, ENGINE, exact=True, kv_split=4)
+        h = emulator.apply_profile(model, HERE, exact=True, kv_split=4)
     try:
         want = _decode_rows(model, ids, 90)
         with torch.no_grad():
@@ -489,7 +555,7 @@ def test_as_sampled_together_scores_an_engine_batch_and_its_micro_batches():
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CapabilityMismatch)
-        h = emulator.apply_profile(model, ENGINE, exact=True, kv_split=2)
+        h = emulator.apply_profile(model, HERE, exact=True, kv_split=2)
     try:
         with torch.no_grad():
             with emulator.as_sampled(prompts, completions):

@@ -195,3 +195,24 @@ def test_a_profile_of_an_emulated_capability_says_so_when_chosen():
     assert s.candidate == avx2 and not s.mismatches
     assert "emulated" in s.message() and "probe-engine check" in s.message()
     assert "emulated" not in pick(SHIPPED + [avx2], W()).message()  # AVX512: the measured one, no such note
+
+
+def test_a_profile_of_this_machine_comes_before_one_of_another_machine_and_the_method():
+    from engineprofiles.machine import Machine
+
+    amd = Machine("AuthenticAMD", ("avx2", "avx512_bf16", "avx512f"), ("avx2", "avx512", "avx512_bf16"), "AVX512")
+    amx = Machine("GenuineIntel", ("amx_bf16", "amx_tile", "avx2", "avx512_bf16", "avx512f"),
+                  ("amx_tile", "avx2", "avx512", "avx512_bf16"), "AVX512")
+    in_situ_amd = Candidate(**{**C(method="in-situ").__dict__, "name": "amd-insitu", "machine": amd})
+    op_amx = Candidate(**{**C().__dict__, "name": "amx-op", "machine": amx})
+    cands = [in_situ_amd, op_amx]
+    s = pick(cands, W(machine=amx))
+    assert s.candidate == op_amx and any("this machine's CPU features" in r for r in s.reasons)
+    assert pick(cands, W(machine=amd)).candidate == in_situ_amd
+    # no profile of this machine: the usual order decides, and the reasons say exact mode refuses it
+    other = Machine("GenuineIntel", ("avx2",), ("avx2",), "AVX512")
+    s = pick(cands, W(machine=other))
+    assert s.candidate == in_situ_amd and not s.mismatches
+    assert any("exact mode refuses it" in r for r in s.reasons)
+    # a machine that is not known (capability given by hand) changes nothing
+    assert pick(cands, W()).candidate == in_situ_amd

@@ -62,12 +62,12 @@ class SglangAdapter(Adapter):
         return "forward_native" if key == "" else f"forward_{key}"
 
     def info(self) -> EngineInfo:
-        from ..harness import device_name
+        from ..harness import device_name, machine_record
 
         settings: dict[str, Any] = {
             "SGLANG_USE_CPU_ENGINE": os.environ.get("SGLANG_USE_CPU_ENGINE", ""),
             "dispatch": self._dispatch(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            **machine_record(self.device),
         }
         try:
             from sglang.srt.utils import cpu_has_amx_support

@@ -160,11 +160,10 @@ class TransformersAdapter(Adapter):
             family_classes(self.family)  # validates
 
     def info(self) -> EngineInfo:
-        from ..harness import device_name
+        from ..harness import device_name, machine_record
 
         settings: dict[str, Any] = {"family": self.family}
-        if not self.device.startswith("cuda"):
-            settings["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # torch's CPU kernels dispatch by ISA
+        settings.update(machine_record(self.device))  # torch's CPU kernels dispatch by ISA
         mode = "eager"
         if self.model is not None:
             settings["model_class"] = type(self.model).__name__

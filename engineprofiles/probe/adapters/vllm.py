@@ -67,7 +67,7 @@ class VllmAdapter(Adapter):
 
     # -- engine description ------------------------------------------------------------------
     def info(self) -> EngineInfo:
-        from ..harness import device_name
+        from ..harness import device_name, machine_record
 
         cc = self.cc
         settings: dict[str, Any] = {
@@ -75,7 +75,7 @@ class VllmAdapter(Adapter):
             "compile_backend": str(cc.backend),
             "custom_ops": [str(c) for c in cc.custom_ops],
             "engine_default_mode": self.default_mode,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            **machine_record(self.device),
         }
         for k, v in sorted(dict(cc.inductor_compile_config).items()):
             if isinstance(v, (str, int, float, bool)):
