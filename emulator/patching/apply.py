@@ -142,9 +142,10 @@ def _check_machine(model: torch.nn.Module, profile: Profile, allow_other_machine
     elif dev.type == "cpu":
         recorded, here = Machine.of(profile.engine.settings), this_machine()
         diffs = differences(recorded, here)
-    else:
-        return  # GPU machines are not described yet: the device check above is all there is
+    else:  # GPU machines are not described yet: the device check above is all there is
+        diffs, recorded, here = [], None, None
     if not diffs:
+        _check_rows(model, profile, allow_other_machine)
         return
     what = (f"profile {profile.canonical_name} was probed on {profile.engine.device}"
             + (f" ({recorded.describe()})" if recorded is not None else "")
@@ -159,6 +160,28 @@ def _check_machine(model: torch.nn.Module, profile: Profile, allow_other_machine
         what + f". Probe the engine on this machine (`{probe_command(profile.engine.name)}`, or "
         f"`probe-engine {profile.engine.name}` in its environment) and apply that profile, or pass "
         "allow_other_machine=True to run the profile's point with a warning; nothing was changed")
+
+
+def _check_rows(model: torch.nn.Module, profile: Profile, allow_other_machine: bool) -> None:
+    """Exact mode scores many tokens in one forward (a padded batch, a whole sequence) where the engine
+    computed each in its own batch; that gives the engine's bits only where this machine's linear layers
+    give a row the same bits whatever the number of rows (:mod:`emulator.patching.gemm`, measured here
+    on the model's own shapes). Refused otherwise, like another machine."""
+    import warnings
+
+    from .gemm import row_variant_linears
+
+    bad = row_variant_linears(model, ACT_DTYPES[profile.dtype])
+    if not bad:
+        return
+    what = (f"on this machine the model's linear layers give a token other bits depending on how many tokens share "
+            f"the GEMM ({'; '.join(bad[:3])}{f'; and {len(bad) - 3} more' if len(bad) > 3 else ''}), so no forward "
+            "of several tokens reproduces an engine that computed them in other batches")
+    if allow_other_machine:
+        warnings.warn(what + " (allow_other_machine=True: exact mode runs anyway)", MachineMismatch, stacklevel=5)
+        return
+    raise ExactModeUnavailable(what + "; exact mode refuses this machine (allow_other_machine=True runs it with a "
+                               "warning); nothing was changed")
 
 
 def _check_exact(model: torch.nn.Module, decoders: list[Decoder], profile: Profile,
@@ -298,8 +321,10 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     measured attention, sliding-window attention or attention dropout, and where this machine is not
     the one the profile records (:mod:`engineprofiles.machine`: CPU vendor, vector ISA, AMX and the
     other kernel-selecting features; a profile that records none; a model on another device type than
-    the profile's), since the engine's kernels follow the machine. ``allow_other_machine=True`` turns
-    that last refusal into a :class:`MachineMismatch` warning and runs the profile's point anyway.
+    the profile's), since the engine's kernels follow the machine, and where this machine's linear
+    layers give a token other bits depending on the number of tokens in the GEMM (measured on the
+    model's own shapes: :mod:`emulator.patching.gemm`). ``allow_other_machine=True`` turns these two
+    refusals into :class:`MachineMismatch` warnings and runs the profile's point anyway.
 
     ``kv_split`` (exact mode, a vLLM CPU profile): the engine ran with ``VLLM_CPU_ATTN_SPLIT_KV=1``
     (vLLM's default) and this many OpenMP threads (an int, or a

@@ -204,7 +204,7 @@ def test_exact_mode_refuses_a_profile_of_another_machine_and_changes_nothing(cha
 
     from .helpers import assert_untouched, model_state
 
-    if "cpu_isa" in change:  # toggle AMX against this machine, whichever it is
+    if change.get("cpu_isa") == ["amx_tile"]:  # toggle AMX against this machine, whichever it is
         change = dict(cpu_isa=sorted(set(this_machine().isa) ^ {"amx_tile"}))
     prof = on_machine(get_profile(ENGINE), **change)
     model = tiny_model("qwen2", seed=0)
@@ -583,3 +583,76 @@ def test_as_sampled_together_scores_an_engine_batch_and_its_micro_batches():
                     model(batch, attention_mask=mask, position_ids=pos)
     finally:
         h.remove()
+
+
+# -- batches as users send them, on models of any width ------------------------------------------------
+
+def random_widths(rng):
+    """A model config off the usual grid: hidden not a power of two, GQA groups 1-7, MLP width odd."""
+    kv = rng.randint(1, 3)
+    group = rng.randint(1, 7)
+    head_dim = rng.choice([32, 64, 96])
+    return dict(num_key_value_heads=kv, num_attention_heads=kv * group, head_dim=head_dim,
+                hidden_size=rng.choice([72, 136, 200, 328, 520]), intermediate_size=rng.randrange(97, 1100, 2),
+                num_hidden_layers=rng.randint(1, 3))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_padded_batch_of_mixed_lengths_gives_each_row_its_bits_alone_or_is_refused(seed):
+    """Exact mode on random widths: left-padded rows of different lengths in one forward give each
+    sequence the logits it has alone, bit for bit, wherever exact mode accepts the model; where it
+    refuses, this machine's linear layers really do change a row with the number of rows."""
+    import random
+
+    from emulator.patching.gemm import row_variant_linears
+
+    rng = random.Random(seed)
+    family = rng.choice(["qwen2", "qwen3", "llama"])
+    model = tiny_model(family, seed=seed, **random_widths(rng))
+    variant = row_variant_linears(model, torch.bfloat16)
+    if variant:
+        with pytest.raises(ExactModeUnavailable, match="how many tokens share the GEMM"):
+            emulator.apply_profile(model, HERE, exact=True)
+        return
+    lengths = sorted(rng.sample(range(3, 40), 3))
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):], mask[i, width - len(s):] = s, 1
+    with emulator.apply_profile(model, HERE, exact=True), torch.no_grad():
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        batch = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        for i, s in enumerate(seqs):
+            alone = model(input_ids=s[None]).logits[0]
+            assert_same_bits(batch[i, width - len(s):], alone, f"{family} row {i} ({len(s)} tokens of {width})")
+
+
+def test_exact_mode_refuses_linear_layers_whose_rows_depend_on_the_row_count(monkeypatch):
+    """The must-fail control of the row check: a linear kernel that rounds differently above 64 rows (as
+    oneDNN's AMX path measured on an Intel Xeon) is refused, naming the layer; the override warns."""
+    from emulator.patching import gemm
+
+    from .helpers import assert_untouched, model_state
+
+    real = torch.nn.functional.linear
+
+    def blocked(x, w, b=None):
+        y = real(x, w, b)
+        if x.dim() == 2 and x.shape[0] > 64:  # another blocking: the last bit of one column moves
+            y = y.clone()
+            y[:, 0] = torch.nextafter(y[:, 0], torch.full_like(y[:, 0], float("inf")))
+        return y
+
+    monkeypatch.setattr(gemm, "_CACHE", {})
+    monkeypatch.setattr(torch.nn.functional, "linear", blocked)
+    model = tiny_model("qwen2", seed=0)
+    before = model_state(model)
+    with pytest.raises(ExactModeUnavailable, match=r"model\.layers\.0\.self_attn\.q_proj .*rows differ") as e:
+        emulator.apply_profile(model, HERE, exact=True)
+    assert "allow_other_machine" in str(e.value)
+    assert_untouched(model, before)
+    with pytest.warns(MachineMismatch, match="how many tokens share the GEMM"):
+        emulator.apply_profile(model, HERE, exact=True, allow_other_machine=True).remove()
