@@ -316,9 +316,16 @@ def candidates(trainer: str, prof: Profile, trainer_prof: Profile) -> list[tuple
 
 
 def _run(model, capture, prof: Profile | None, exact: bool) -> list[TensorMatch]:
+    import warnings
+
+    from emulator.errors import MachineMismatch
     from emulator.patching import apply_profile
 
-    handle = apply_profile(model, prof, exact=exact) if prof is not None else None
+    # Localizing measures: exact mode runs its point on any machine; run_localize says in the report
+    # when the profile does not describe this machine (then exact mode's bits are not claimed).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MachineMismatch)
+        handle = apply_profile(model, prof, exact=exact, allow_other_machine=True) if prof is not None else None
     try:
         return compare_tensors(model, capture)
     finally:
@@ -392,6 +399,13 @@ def run_localize(engine: str = "vllm", *, family: str = "qwen2", trainers: tuple
     tname = trainer_profile_name()
     rep = LocalizeReport(engine=cap["engine"], family=family, profile_name=prof_name, trainer_profile_name=tname,
                          model=model_fields(model), warnings=warnings)
+    if prof.available("attention"):
+        from .mismatch import machine_differences
+
+        diffs = machine_differences(cap["engine"], prof)
+        if diffs:
+            rep.warnings.append("exact mode ran on a machine the profile does not describe (its rows are measured, "
+                                "not claimed; apply_profile(exact=True) refuses it): " + "; ".join(diffs))
     observed = set(engine_tensors(next(s for s in cap["sequences"] if all(s["layers"]))))
     rep.unobserved = [n for n in tensor_names(model.config.num_hidden_layers) if n not in observed]
     if rep.unobserved and cap["engine"].get("mode") != "eager":

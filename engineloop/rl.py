@@ -106,10 +106,11 @@ class DemoResult:
     steps: list[StepRecord] = field(default_factory=list)
     cpu_capability: str = ""
     command: str = ""
+    other_machine: list[str] = field(default_factory=list)  # why exact mode's bits are not claimed here
 
     def as_dict(self) -> dict[str, Any]:
         return dict(engine=self.engine, profile=self.profile, train_with=self.train_with, family=self.family,
-                    cpu_capability=self.cpu_capability, command=self.command,
+                    cpu_capability=self.cpu_capability, command=self.command, other_machine=self.other_machine,
                     steps=[dict(step=s.step, reward=s.reward, setups=s.setups) for s in self.steps])
 
 
@@ -125,7 +126,9 @@ def run_demo(engine: str = "vllm", *, family: str = "qwen2", steps: int = 8, pro
     from emulator import as_sampled
 
     from .capture import prompts_for
-    from .mismatch import default_profile_name, engine_kv_split, save_model
+    from engineprofiles.machine import record
+
+    from .mismatch import default_profile_name, engine_kv_split, machine_differences, save_model
 
     if train_with not in SETUPS:
         raise EngineProfilesError(f"--train-with must be one of {', '.join(SETUPS)}; got {train_with!r}")
@@ -156,6 +159,13 @@ def run_demo(engine: str = "vllm", *, family: str = "qwen2", steps: int = 8, pro
                 note(f"exact mode splits attention as the engine does: split-KV on, {kv_split.threads} threads")
             res = DemoResult(engine=dict(name=engine, version=version, mode=mode, attention=att), profile=prof_name,
                              train_with=train_with, family=family, cpu_capability=torch.backends.cpu.get_cpu_capability())
+            # A demo measures: on a machine the profile does not describe, exact mode runs its point anyway
+            # (allow_other_machine) and the result says why its bits are not claimed here.
+            res.other_machine = machine_differences(dict(attention=att, machine=record()), prof) \
+                if "exact" in setups else []
+            if res.other_machine:
+                note("exact mode on a machine the profile does not describe (measured, not claimed): "
+                     + "; ".join(res.other_machine))
             opt = torch.optim.Adam(model.parameters(), lr=lr)
             g = torch.Generator().manual_seed(seed)
             for step in range(steps):
@@ -170,7 +180,8 @@ def run_demo(engine: str = "vllm", *, family: str = "qwen2", steps: int = 8, pro
                 model.eval()
                 for name, setup in setups.items():
                     split = kv_split if setup and setup[1] else None
-                    handle = apply_profile(model, setup[0], exact=setup[1], kv_split=split) if setup else None
+                    handle = apply_profile(model, setup[0], exact=setup[1], kv_split=split,
+                                           allow_other_machine=bool(res.other_machine)) if setup else None
                     try:
                         train_now = name == train_with
                         # the rows are the engine's batch, in the order it was given them (prompt-major)

@@ -16,3 +16,38 @@ def require_env(engine: str, version: str) -> Path:
         pytest.fail(f"the {engine} {version} environment is missing: run `scripts/engine_env.sh {engine} {version}` "
                     "(scripts/test.sh does this). Engine tests are not skipped.", pytrace=False)
     return env
+
+
+def machine_differences(profile_name: str, emulate: str | None = None) -> list[str]:
+    """What differs between the machine ``profile_name`` records and this one (under ``emulate``, as
+    scripts/emulate_cpu.sh runs it): empty where the profile's claims are this machine's."""
+    from engineprofiles.machine import Machine, differences, this_machine
+    from engineprofiles.store import get_profile
+
+    return differences(Machine.of(get_profile(profile_name).engine.settings), this_machine(emulate))
+
+
+def exact_refused_here(engine: str, version: str, args: list[str], mode: str = "default",
+                       profile: str | None = None) -> bool:
+    """Exact mode's claim holds on the machine its profile was probed on. Where the profile
+    ``probe-engine mismatch ENGINE --exact`` applies here (``profile``, else the shipped one it chooses)
+    does not describe this machine, the command must refuse, naming what differs, before the engine
+    runs: this runs it with that profile named, asserts the refusal, says so in the run's warnings and
+    returns True (the test then claims nothing more). False where the profile is this machine's."""
+    import subprocess
+    import sys
+    import warnings
+
+    from engineloop.mismatch import default_profile_name
+
+    name = profile or default_profile_name(engine, version, mode)
+    diffs = machine_differences(name)
+    if not diffs:
+        return False
+    r = subprocess.run([sys.executable, "-m", "engineloop.cli", "mismatch", engine, *args, "--profile", name],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, f"exact mode must refuse {name} on this machine ({diffs}):\n{r.stdout}\n{r.stderr}"
+    assert "does not describe the machine here" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    warnings.warn(f"{name} is not this machine's profile ({'; '.join(diffs)}): exact mode refused, as it must; "
+                  f"probe this machine (scripts/probe.sh {engine} {version}) for the bit-exact claim", stacklevel=2)
+    return True

@@ -2,11 +2,11 @@
 
 `probe-engine mismatch vllm --exact` runs vLLM's CPU build on a tiny model (its own environment),
 samples, re-scores, and recomputes the log-probs in the trainer in exact mode with the shipped
-profile. Where this machine's CPU capability is the one the profile was probed on, the exact rows
-must be bit-exact (every token, |dlogp| max 0), for the sampled tokens (decode) and the re-scored
-prompt (prefill). On another capability the engine's kernels take other code paths (the profile's
-evidence does not hold there): the exact rows must still beat the profile-only rows, and the
-numbers are reported as a warning, not hidden.
+profile. Where the profile was probed on this machine (engineprofiles.machine: vendor, vector ISA,
+AMX, ...), the exact rows must be bit-exact (every token, |dlogp| max 0), for the sampled tokens
+(decode) and the re-scored prompt (prefill). On another machine the engine's kernels take other code
+paths (vLLM's amx attention on an AMX CPU): exact mode must refuse, naming what differs, before the
+engine runs (envs.exact_refused_here), and the run's warnings say so.
 
 A missing engine environment is a failure, never a skip.
 """
@@ -21,9 +21,8 @@ import warnings
 
 import pytest
 
-from engineprofiles.store import get_profile
 
-from .envs import require_env
+from .envs import exact_refused_here, machine_differences, require_env
 
 from .envs import REPO
 VERSION = "0.32.0"
@@ -44,6 +43,8 @@ CASES = [("qwen2", "default", None), ("qwen3", "default", None), ("llama", "defa
 @pytest.mark.parametrize("family,mode,rope", CASES, ids=[f"{f}-{m}" + (f"-{r}" if r else "") for f, m, r in CASES])
 def test_exact_mode_reproduces_the_engines_log_probs(family, mode, rope, tmp_path):
     require_env("vllm", VERSION)
+    if exact_refused_here("vllm", VERSION, ["--family", family, "--mode", mode, "--exact"], mode=mode):
+        return
     out = tmp_path / "m.json"
     r = subprocess.run(
         [sys.executable, "-m", "engineloop.cli", "mismatch", "vllm", "--family", family, "--mode", mode, "--exact",
@@ -55,20 +56,10 @@ def test_exact_mode_reproduces_the_engines_log_probs(family, mode, rope, tmp_pat
     d = json.loads(out.read_text())
     assert (d["model"].get("rope_parameters") or {}).get("rope_type") == rope  # the engine ran the scaled model
     rows = {k: {x["trainer"]: x for x in d[k]} for k in ("sampled", "prefill")}
-    prof = get_profile(d["profile"])
-    here = d["engine"].get("cpu_capability")
-    there = prof.engine.settings.get("cpu_capability")
-    if here == there:
-        for k in ("sampled", "prefill"):
-            ex = rows[k]["exact"]
-            assert ex["exact_match"] == 1.0 and ex["abs_dlogp_max"] == 0.0, (k, ex)
-    else:
-        for k in ("sampled", "prefill"):
-            assert rows[k]["exact"]["abs_dlogp_mean"] <= rows[k]["+ engine profile"]["abs_dlogp_mean"], (k, rows[k])
-        warnings.warn(f"exact mode, {family} {mode}: the engine ran on {here}, the profile was probed on {there}; "
-                      f"exact rows: sampled {rows['sampled']['exact']['exact_match']:.4f}, prefill "
-                      f"{rows['prefill']['exact']['exact_match']:.4f} (bit-exact only where the capability matches)",
-                      stacklevel=1)
+    assert not machine_differences(d["profile"])  # the profile of this machine was applied
+    for k in ("sampled", "prefill"):
+        ex = rows[k]["exact"]
+        assert ex["exact_match"] == 1.0 and ex["abs_dlogp_max"] == 0.0, (k, ex)
     # the rows exact mode adds to, not replaces
     assert {"as-is", "+ engine profile", "+ rope only", "+ swiglu only", "+ rmsnorm only"} <= set(rows["sampled"])
     assert ("+ moe only" in rows["sampled"]) == (family in ("qwen3_moe", "qwen2_moe"))
@@ -91,6 +82,8 @@ WIDE = [("qwen2", ["--heads", "4", "--kv-heads", "2", "--head-dim", "128"]),
 @pytest.mark.parametrize("family,heads", WIDE, ids=[f for f, _ in WIDE])
 def test_exact_mode_reproduces_a_wider_compiled_models_log_probs(family, heads, tmp_path):
     require_env("vllm", VERSION)
+    if exact_refused_here("vllm", VERSION, ["--family", family, "--exact"]):
+        return
     out = tmp_path / "m.json"
     r = subprocess.run(
         [sys.executable, "-m", "engineloop.cli", "mismatch", "vllm", "--family", family, "--exact", "--prompts", "1",
@@ -103,16 +96,10 @@ def test_exact_mode_reproduces_a_wider_compiled_models_log_probs(family, heads, 
     d = json.loads(out.read_text())
     assert d["model"]["num_hidden_layers"] == 4 and d["model"]["hidden_size"] == 512 and d["prompt_len"] == 200
     assert d["engine_decode_equals_prefill"] == 1.0  # split-KV off: the engine agrees with itself
-    prof = get_profile(d["profile"])
-    here, there = d["engine"].get("cpu_capability"), prof.engine.settings.get("cpu_capability")
+    assert not machine_differences(d["profile"])
     for k in ("sampled", "prefill"):
         ex = {x["trainer"]: x for x in d[k]}["exact"]
-        if here == there:
-            assert ex["exact_match"] == 1.0 and ex["abs_dlogp_max"] == 0.0, (k, ex)
-        else:
-            warnings.warn(f"exact mode, wide {family}: the engine ran on {here}, the profile was probed on {there}; "
-                          f"{k} exact rows {ex['exact_match']:.4f} (bit-exact only where the capability matches)",
-                          stacklevel=1)
+        assert ex["exact_match"] == 1.0 and ex["abs_dlogp_max"] == 0.0, (k, ex)
 
 
 @pytest.mark.engine
@@ -123,6 +110,8 @@ def test_exact_mode_decoding_reproduces_the_engines_sampled_log_probs_where_its_
     prefill then matches the prefill, not the rollout's log-probs; exact mode decoding the completion one
     token at a time with the KV cache (row 'exact, decoded') matches the rollout's, bit for bit."""
     require_env("vllm", VERSION)
+    if exact_refused_here("vllm", VERSION, ["--family", "qwen2", "--exact"]):
+        return
     out = tmp_path / "m.json"
     r = subprocess.run(
         [sys.executable, "-m", "engineloop.cli", "mismatch", "vllm", "--family", "qwen2", "--exact", "--prompts", "2",
@@ -134,13 +123,8 @@ def test_exact_mode_decoding_reproduces_the_engines_sampled_log_probs_where_its_
     assert r.returncode == 0, f"probe-engine mismatch failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
     d = json.loads(out.read_text())
     rows = {k: {x["trainer"]: x for x in d[k]} for k in ("sampled", "prefill")}
-    prof = get_profile(d["profile"])
-    here, there = d["engine"].get("cpu_capability"), prof.engine.settings.get("cpu_capability")
+    assert not machine_differences(d["profile"])
     decoded, prefill = rows["sampled"]["exact, decoded"], rows["prefill"]["exact"]
-    if here != there:
-        warnings.warn(f"exact mode decoding: the engine ran on {here}, the profile was probed on {there}; decoded "
-                      f"row {decoded['exact_match']:.4f}, prefill row {prefill['exact_match']:.4f}", stacklevel=1)
-        return
     assert decoded["exact_match"] == 1.0 and decoded["abs_dlogp_max"] == 0.0, decoded
     assert prefill["exact_match"] == 1.0 and prefill["abs_dlogp_max"] == 0.0, prefill
     if d["engine_decode_equals_prefill"] < 1.0:  # what makes the decoded row necessary here
@@ -158,6 +142,8 @@ def test_exact_mode_splits_attention_as_vllms_default_split_kv_decode(tmp_path):
     (KVSplit, from the thread count the capture records): decoding the completion ('exact, decoded') and
     scoring it in one forward as sampled ('exact, one forward as sampled') both match every sampled token."""
     require_env("vllm", VERSION)
+    if exact_refused_here("vllm", VERSION, ["--family", "qwen2", "--exact"]):
+        return
     out = tmp_path / "m.json"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_ATTN_SPLIT_KV"}  # the engine's default
     r = subprocess.run(
@@ -177,13 +163,8 @@ def test_exact_mode_splits_attention_as_vllms_default_split_kv_decode(tmp_path):
                       "not exercised", stacklevel=1)
         assert "exact, one forward as sampled" not in rows
         return
-    prof = get_profile(d["profile"])
-    here, there = d["engine"].get("cpu_capability"), prof.engine.settings.get("cpu_capability")
+    assert not machine_differences(d["profile"])
     decoded, sampled = rows["exact, decoded"], rows["exact, one forward as sampled"]
-    if here != there:
-        warnings.warn(f"split-KV exact mode: the engine ran on {here}, the profile was probed on {there}; decoded "
-                      f"{decoded['exact_match']:.4f}, as sampled {sampled['exact_match']:.4f}", stacklevel=1)
-        return
     for row in (decoded, sampled):
         assert row["exact_match"] == 1.0 and row["abs_dlogp_max"] == 0.0, row
     prefill = {x["trainer"]: x for x in d["prefill"]}["exact"]
@@ -203,6 +184,8 @@ def test_exact_mode_scores_vllms_batched_split_kv_decode_as_sampled_together(tmp
     together with its batch (as_sampled(prompt_lengths, completion_lengths, rows=[i])) matches every
     log-prob of the batched runs, lockstep and with staggered lengths (requests leaving reorder the batch)."""
     require_env("vllm", VERSION)
+    if exact_refused_here("vllm", VERSION, ["--family", "qwen2", "--exact"]):
+        return
     out = tmp_path / "b.json"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_ATTN_SPLIT_KV"}  # the engine's default
     r = subprocess.run(
@@ -219,12 +202,7 @@ def test_exact_mode_scores_vllms_batched_split_kv_decode_as_sampled_together(tmp
     runs = ("decoded together", "decoded together, staggered lengths")
     assert {c for c, _ in rows} == set(runs), rows.keys()
     assert engine_rows[runs[1]]["forward_tokens"][0] > 600, "the staggered run's prompts did not share a prefill"
-    prof = get_profile(d["profile"])
-    here, there = d["engine"].get("cpu_capability"), prof.engine.settings.get("cpu_capability")
-    if here != there:
-        warnings.warn(f"batched exact mode: the engine ran on {here}, the profile was probed on {there}: "
-                      f"{ {k: v['exact_match'] for k, v in rows.items()} }", stacklevel=1)
-        return
+    assert not machine_differences(d["profile"])
     for run in runs:
         together = rows[(run, "exact, one forward as sampled together")]
         assert together["exact_match"] == 1.0 and together["abs_dlogp_max"] == 0.0, together

@@ -16,14 +16,16 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
 from engineprofiles.store import get_profile
 
-from .envs import REPO, require_env
+from .envs import REPO, machine_differences, require_env
 
 VERSION = "0.32.0"
+AVX2_PROFILE = f"vllm-{VERSION}-cpu-inductor-bfloat16-insitu-avx2"
 
 
 def _host_has_avx512() -> bool:
@@ -43,11 +45,16 @@ def test_exact_mode_reproduces_the_emulated_avx2_engines_log_probs(tmp_path):
         print(f"SKIPPED (not a pass): {reason}")
         pytest.skip(reason)
     out = tmp_path / "m.json"
-    r = subprocess.run(
-        [str(REPO / "scripts" / "emulate_cpu.sh"), "avx2", sys.executable, "-m", "engineloop.cli", "mismatch", "vllm",
-         "--family", "qwen2", "--exact", "--prompts", "2", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=1500, env=dict(os.environ),
-    )
+    cmd = [str(REPO / "scripts" / "emulate_cpu.sh"), "avx2", sys.executable, "-m", "engineloop.cli", "mismatch", "vllm",
+           "--family", "qwen2", "--exact", "--prompts", "2", "--json", str(out)]
+    other = machine_differences(AVX2_PROFILE, emulate="avx2")
+    if other:  # the -avx2 profile was emulated on another host class: exact mode must refuse it here
+        r = subprocess.run([*cmd, "--profile", AVX2_PROFILE], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 2 and "does not describe the machine here" in r.stderr, r.stdout + r.stderr
+        warnings.warn(f"{AVX2_PROFILE} was probed on another host ({other}): exact mode refused, as it must",
+                      stacklevel=1)
+        return
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500, env=dict(os.environ))
     sys.stdout.write(r.stdout[-4000:])
     assert r.returncode == 0, f"emulated probe-engine mismatch failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
     d = json.loads(out.read_text())

@@ -24,6 +24,8 @@ from engineprofiles.diff import diff_profiles
 from engineprofiles.schema import load_profile
 from engineprofiles.store import get_profile
 
+from .envs import machine_differences
+
 REPO = Path(__file__).resolve().parents[2]
 VERSION = "0.5.23"
 ENV = REPO / ".engines" / f"sglang-{VERSION}"
@@ -48,8 +50,11 @@ def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 def test_sglang_engine_in_the_loop_matches_the_shipped_in_situ_profile_and_the_trainer(tmp_path):
     _need_env()
     cap, js = tmp_path / "cap.pt", tmp_path / "m.json"
+    # Exact mode's claim holds on the machine the shipped profile was fitted on; elsewhere its rows are
+    # computed with --allow-other-machine (measured, not claimed) and only the sites are compared.
+    other = machine_differences(SHIPPED)
     r = _cli("mismatch", "sglang", "--family", "qwen2", "--exact", "--prompts", "2", "--json", str(js),
-             "--save-capture", str(cap))
+             "--save-capture", str(cap), *(["--allow-other-machine"] if other else []))
     assert r.returncode == 0, f"probe-engine mismatch sglang failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
     d = json.loads(js.read_text())
     assert d["engine"]["name"] == "sglang" and d["engine"]["version"] == VERSION
@@ -66,8 +71,7 @@ def test_sglang_engine_in_the_loop_matches_the_shipped_in_situ_profile_and_the_t
     assert dd.exit_code == 0, dd.to_markdown()
     assert new.point("attention") == old.point("attention"), (new.point("attention"), old.point("attention"))
 
-    here, there = d["engine"].get("cpu_capability"), old.engine.settings.get("cpu_capability")
-    if here == there:
+    if not other:
         # every captured tensor and attention output bit for bit, as the shipped evidence says
         for region in ("rope", "swiglu", "add_rmsnorm", "rmsnorm"):
             assert new.entry(region).evidence.match_rate == 1.0, region
@@ -83,8 +87,8 @@ def test_sglang_engine_in_the_loop_matches_the_shipped_in_situ_profile_and_the_t
         assert rollout["exact_match"] == 1.0 and rollout["abs_dlogp_max"] == 0.0, rollout
         assert rows["sampled"]["exact"]["exact_match"] < 1.0
     else:
-        warnings.warn(f"SGLang ran on {here}, the shipped in-situ profile was fitted on {there}: sites compared, "
-                      f"rates not (attention {new.attention.evidence.match_rate})", stacklevel=1)
+        warnings.warn(f"SGLang ran on another machine than the shipped in-situ profile was fitted on ({other}): sites "
+                      f"compared, rates not (attention {new.attention.evidence.match_rate})", stacklevel=1)
     # The engine's sampler takes log(softmax): its decode log-probs are not its prefill ones; said so.
     assert d["engine_decode_equals_prefill"] is not None
     if d["engine_decode_equals_prefill"] < 1.0:
