@@ -695,9 +695,11 @@ def _patched_adapter(family: Optional[str], profile: str, dt, device: str):
 
 def _in_situ(engine: str, families: list[str], output: Optional[str], seed: int, env: Optional[str],
              captures: list[str], prompts: int, print_yaml: bool, mode: str = "default", dtype: str = "bfloat16",
-             device: str = "cpu", ship: bool = False, rope_scaling: Optional[str] = None) -> None:
+             device: str = "cpu", ship: bool = False, rope_scaling: Optional[str] = None,
+             self_check: bool = True) -> None:
     """Run the engine on a tiny model of each family (or take the captures given, one per family,
-    in order) and fit one profile to all of them. ``rope_scaling``: the tiny models' RoPE scaling
+    in order) and fit one profile to all of them; then (``self_check``, where the engine ran) check
+    exact mode with it on a model of random widths (engineloop.selfcheck). ``rope_scaling``: the tiny models' RoPE scaling
     (engineprofiles.models.ROPE_SCALINGS; None: default RoPE), checked against the captures'."""
     import sys
     import tempfile
@@ -779,6 +781,13 @@ def _in_situ(engine: str, families: list[str], output: Optional[str], seed: int,
 
         cmd = os.environ.get("ENGINEPROFILES_COMMAND") or shlex.join(["probe-engine", *sys.argv[1:]])
         profile = in_situ_profile(fit, start, [c for _, _, c in pairs], families, cmd, attention_fit=att_fit)
+        if self_check and not captures:
+            from .selfcheck import self_check as run_self_check
+
+            profile = run_self_check(engine, profile, families[0], seed=seed, env=env,
+                                     mode="eager" if mode == "eager" else "default", note=note)
+        elif self_check:
+            note("self-check not run: the captures were given (--capture), the engine did not run here")
     except EngineProfilesError as e:
         _fail(e)
     _emit(profile, output, target, is_dir, print_yaml, extra=tables.in_situ_table(fit))
@@ -813,6 +822,10 @@ def _engine_command(engine: str):
         rope_scaling: Optional[str] = typer.Option(
             None, help="in situ: the tiny models' RoPE scaling (their rope_parameters; default: none): llama3 (Llama "
             "3.1's: factor 8, low/high frequency factors 1/4, original context 8192), linear (factor 3), yarn (factor 4 over an original context of 10240) or dynamic (factor 2)"),
+        self_check: Optional[bool] = typer.Option(
+            None, "--self-check/--no-self-check", help="in situ (default on): after fitting, run the engine and exact mode with the "
+            "new profile on a model of random widths and record the exact-match rates in provenance.self_check (one "
+            "more engine run; not run with --capture)"),
     ) -> None:
         try:
             for f in family or ["qwen3"]:
@@ -835,16 +848,16 @@ def _engine_command(engine: str):
                           markup=False)
         elif in_situ and (quick or region):
             _fail(EngineProfilesError("--quick and --region are op-level options; the in-situ fit covers every region"))
-        if not in_situ and (family or capture or rope_scaling):
-            _fail(EngineProfilesError("--family, --capture and --rope-scaling are in-situ options; add --in-situ (or "
-                                      "leave them out)"))
+        if not in_situ and (family or capture or rope_scaling or self_check is not None):
+            _fail(EngineProfilesError("--family, --capture, --self-check/--no-self-check and --rope-scaling are in-situ "
+                                      "options; add --in-situ (or leave them out)"))
         if in_situ:
             if engine == "sglang" and mode != "default":
                 _fail(EngineProfilesError(
                     f"--in-situ runs SGLang's CPU engine in its default mode only (--mode {mode}: its "
                     "--enable-torch-compile path needs AMX on CPU); use --op-level for the compiled layers"))
             _in_situ(engine, list(family or ["qwen3"]), output, seed, env, list(capture or []), prompts, print_yaml, mode,
-                     dtype, device, ship, rope_scaling)
+                     dtype, device, ship, rope_scaling, self_check is not False)
             return
         _probe(engine, device, dtype, mode, output, seed, quick, region, env, print_yaml, ship=ship)
 

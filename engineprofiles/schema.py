@@ -150,6 +150,31 @@ MoeEntry = _entry_model(MOE_SPEC)
 SharedExpertEntry = _entry_model(SHARED_EXPERT_SPEC)
 
 
+class SelfCheck(StrictModel):
+    """What exact mode with this profile reproduced of the engine on a model the fit never saw (widths
+    drawn at random), measured right after an in-situ probe (engineloop.selfcheck): each exact row of
+    ``probe-engine mismatch --exact``, the fraction of tokens whose log-prob equals the engine's."""
+
+    model: str = Field(description="the model the engine and the trainer ran: family and widths")
+    seed: int
+    sampled_tokens: Count
+    prefill_tokens: Count
+    sampled: dict[str, Rate] = Field(description="exact rows over the sampled tokens: row -> exact-match fraction")
+    prefill: dict[str, Rate] = Field(description="exact rows over the re-scored prompts: row -> exact-match fraction")
+
+    @property
+    def exact(self) -> bool:
+        """Whether the trainer rows a user is told to use matched every token: the best sampled row
+        (decoded, or one forward as sampled) and the plain prefill re-score."""
+        return (max(self.sampled.values(), default=0.0) == 1.0
+                and self.prefill.get("exact", 0.0) == 1.0)
+
+    def rows(self) -> str:
+        """Every row's rate, for messages."""
+        return ", ".join([f"{n} {r:.2%}" for n, r in self.sampled.items()]
+                         + [f"prefill {n} {r:.2%}" for n, r in self.prefill.items()])
+
+
 class Provenance(StrictModel):
     date: Annotated[str, AfterValidator(_iso_time)] = Field(description="ISO 8601 time of the probe run (UTC)")
     probe_version: str
@@ -159,6 +184,9 @@ class Provenance(StrictModel):
     host: Optional[str] = None
     seed: Optional[int] = None
     duration_s: Optional[Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = None
+    # Added after schema version 5 without a version bump: optional, absent in older files.
+    self_check: Optional[SelfCheck] = Field(
+        None, description="exact mode against the engine on a model of random widths, measured after an in-situ fit")
 
 
 class Profile(StrictModel):

@@ -206,6 +206,13 @@ def _check_exact(model: torch.nn.Module, decoders: list[Decoder], profile: Profi
                 raise ExactModeUnavailable(f"{d.path}.layers.{i}.self_attn has attention dropout "
                                            f"{attn.attention_dropout}; the engine has none, so exact mode refuses it "
                                            "(set config.attention_dropout = 0.0)")
+    sc = profile.provenance.self_check
+    if sc is not None and not sc.exact:
+        warnings.warn(
+            f"profile {profile.canonical_name}: its self-check, on a model of widths the fit never saw ({sc.model}), "
+            f"did not reproduce every token in exact mode ({sc.rows()}): exact mode may not be bit-exact on this "
+            "model's widths either; `probe-engine mismatch ENGINE --exact` with the model's widths measures it",
+            InexactEvidence, stacklevel=3)
     rate = profile.attention.evidence.match_rate
     if rate is not None and rate < 1.0:
         warnings.warn(

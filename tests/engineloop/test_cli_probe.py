@@ -263,6 +263,7 @@ def test_bad_transformers_options_are_error_lines(tmp_path, monkeypatch, args, w
     ("vllm", ["--mode", "turbo"], "turbo"), ("vllm", ["--in-situ", "--family", "gpt2"], "gpt2"),
     ("vllm", ["--in-situ", "--rope-scaling", "ntk"], "unknown RoPE scaling 'ntk'"),
     ("vllm", ["--op-level", "--rope-scaling", "llama3"], "--rope-scaling are in-situ options"),
+    ("vllm", ["--op-level", "--no-self-check"], "--self-check/--no-self-check and --rope-scaling are in-situ"),
     ("sglang", ["--mode", "eager"], "eager"), ("sglang", ["--device", "tpu"], "tpu"),
 ])
 def test_bad_engine_options_are_refused_before_handing_over(tmp_path, monkeypatch, engine, args, word):
