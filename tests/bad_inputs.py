@@ -708,6 +708,38 @@ def _meta_model(ctx: Ctx) -> Result:
     return r
 
 
+def _exact_padding_row(ctx: Ctx) -> Result:
+    """Exact mode on a batch whose row 1 is padding only (attention_mask[1] = 0): the other rows must
+    keep the bits of the same batch without that row."""
+    import warnings
+
+    from engineprofiles.errors import MismatchedProfile
+
+    model = tiny_model("qwen2", seed=1)
+    ids = torch.randint(0, 256, (3, 10), generator=_gen(3))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # a left-padded row beside it
+    mask[1] = 0
+    plain = model_state(model), _logits(model, ids)
+    with warnings.catch_warnings():  # a profile of another machine: its bits here are no claim, the rows' are
+        warnings.simplefilter("ignore", MismatchedProfile)
+        handle = emulator.apply_profile(model, str(ROOT / "profiles" / "vllm-0.32.0-cpu-eager-bfloat16.yaml"),
+                                        exact=True, allow_other_machine=True)
+    try:
+        with torch.no_grad():
+            out, r = _call(lambda: model(ids, attention_mask=mask).logits)
+            if r.error is None:
+                alone = model(ids[[0, 2]], attention_mask=mask[[0, 2]]).logits
+                bad = _same_bits(out[[0, 2]], alone, "rows 0 and 2")
+                r.detail = bad or (f"returns {_describe(out)}; rows 0 and 2 bit for bit those of the batch without "
+                                   "row 1")
+    finally:
+        handle.remove()
+    r.damage = model_damage(model, plain[0], ids, plain[1])
+    r.checked = "model restored by remove() (parameter bits, no bound forward or hook, logits bitwise)"
+    return r
+
+
 # -- functional ops -------------------------------------------------------------------------------
 
 P_SWIGLU = SWIGLU_SPEC.point(silu="rounded", silu_formula="fused")
@@ -1012,6 +1044,8 @@ def _cases() -> list[Case]:
         _apply(_qwen2(), prof, kv_split=2), Raises(InputError, "kv_split is part of exact mode's attention"))
     add("apply-kv-split-zero-threads", AP, "kv_split=0 threads",
         _apply(_qwen2(), prof, exact=True, kv_split=0), Raises(InputError, "a positive integer"))
+    add("apply-exact-padding-row", AP, "exact=True on a batch with a row that is padding only (attention_mask[1] = 0)",
+        _exact_padding_row, Succeeds("rows 0 and 2 bit for bit those of the batch without row 1"))
 
     # functional ops: defined results, bit for bit the reference's
     add("op-swiglu-empty", OPS, "swiglu on zero tokens (0, 151)", _op(_swiglu(_x((0, 151)), _x((0, 151)))), BITWISE)
@@ -1115,6 +1149,13 @@ def _cases() -> list[Case]:
     add("op-as-sampled-forward-rows", OPS, "split attention on 2 rows inside as_sampled of a 1-request engine batch",
         _op(_no_ref(_as_sampled([3], [1], batch=2), *_qkv(b=2))),
         Raises(InputError, "1 requests of the engine batch for a forward of 2 rows"))
+    add("op-as-sampled-completion-too-long", OPS, "split attention on a 120-token row inside as_sampled([100], "
+        "[10**7]) (the plan would grow with the claimed length)",
+        _op(_no_ref(_as_sampled([100], [10 ** 7], batch=1), *_qkv(tq=120, tk=120))),
+        Raises(InputError, "prompt + completion must equal the row's length"))
+    add("op-as-sampled-rows-longer", OPS, "split attention on 160-token rows inside as_sampled([100, 100], [20, 20])",
+        _op(_no_ref(_as_sampled([100, 100], [20, 20], batch=2), *_qkv(b=2, tq=160, tk=160))),
+        Raises(InputError, "prompt + completion must equal the row's length"))
     add("op-attention-no-profile-attention", OPS, "attention with a profile without measured attention",
         _op(_no_ref(lambda q, k, v: F.attention(q, k, v, synthetic_profile()), *_qkv())),
         Raises(RegionUnavailable, "has no measured attention"))

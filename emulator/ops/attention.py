@@ -13,7 +13,7 @@ Masks: HF hands attention a 4D mask ([B, 1, Tq, Tk], boolean "may attend" or add
 keys of a batch row that are padding are dropped before the reference runs: the keys the last
 query row may see (all of them if it sees none, e.g. a right-padded row), in order. That keeps
 every real key at the index the engine gives it (its lane in the lane-wise sums). Query rows that
-see no key get zeros.
+see no key get zeros, and so does a batch row that is padding only (HF accepts one).
 """
 
 from __future__ import annotations
@@ -77,10 +77,13 @@ def as_sampled(prompt_lengths: int | list[int] | tuple[int, ...],
     one completion length each: the tokens the engine sampled for it), sampled together: prefilled in
     one forward, decoded together, each leaving after its last token
     (:class:`engineprofiles.regions.attention.SampledBatch`); the split of a decode step then depends on
-    the whole batch. ``rows``: which of those requests this forward's batch rows are (a trainer's
-    micro-batch of the rollout batch); default: all of them, in order. Without ``kv_split`` attention does not
-    depend on either (the engine's decode and prefill attention agree). Not thread-local beyond
-    Python's contextvars."""
+    the whole batch. Each row must then be its request's prompt and completion, nothing more or less
+    (``prompt_lengths[i] + completion_lengths[i]`` tokens, not counting padding; else
+    :class:`~emulator.errors.InputError`, before any work). ``rows``: which of those requests this
+    forward's batch rows are (a trainer's micro-batch of the rollout batch); default: all of them, in
+    order. Without ``kv_split`` attention does not depend on either (the engine's decode and prefill
+    attention agree); the lengths are checked all the same. Not thread-local beyond Python's
+    contextvars."""
     lengths = _lengths("prompt lengths", prompt_lengths)
     if completion_lengths is None:
         if rows is not None:
@@ -123,22 +126,37 @@ def _prompt_len(b: int, batch: int) -> tuple[int | None, tuple[SampledBatch, int
     return lengths[b], None
 
 
+def _check_sampled_row(n: int, prompt_len: int | None, together: tuple[SampledBatch, int] | None) -> None:
+    """A row of ``n`` real tokens fits what :func:`as_sampled` says of it (checked before any cost: the
+    split plan of a batch sampled together grows with the completion lengths it is told)."""
+    if prompt_len is not None and prompt_len > n:
+        raise InputError(f"as_sampled: a prompt of {prompt_len} tokens in a row of {n} tokens")
+    if together is not None:
+        batch, i = together
+        p, c = batch.prompt_lengths[i], batch.completion_lengths[i]
+        if p + c != n:
+            raise InputError(f"as_sampled: request {i} has prompt + completion = {p} + {c} = {p + c} tokens, but its "
+                             f"row has {n} (not counting padding); prompt + completion must equal the row's length: "
+                             "the row is the request's prompt and the tokens the engine sampled for it")
+
+
 def _one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, scale: float,
              allowed: torch.Tensor | None, kv_split: KVSplit | None = None,
              prompt_len: int | None = None, together: tuple[SampledBatch, int] | None = None) -> torch.Tensor:
     """q [Hq, Tq, D], k/v [Hk, Tk, D] of one batch row -> [Hq, Tq, D]."""
     qe, ke, ve = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # engine layout [T, H, D]
+    if allowed is not None and not bool(allowed.any()):  # a row of padding only: no key to attend, zeros
+        return q.new_zeros(q.shape)
+    idx = None
+    if allowed is not None:
+        keep = allowed[-1] if bool(allowed[-1].any()) else allowed.any(0)
+        idx = keep.nonzero()[:, 0]
+    _check_sampled_row(k.shape[1] if idx is None else len(idx), prompt_len, together)
     if kv_split is None:
         prompt_len, together = None, None
-    if prompt_len is not None and allowed is None and prompt_len > k.shape[1]:
-        raise InputError(f"as_sampled: a prompt of {prompt_len} tokens in a row of {k.shape[1]} tokens")
-    if allowed is None:
+    if idx is None:
         return attention_ref(qe, ke, ve, point, scale=scale, kv_split=kv_split, prompt_len=prompt_len,
                              sampled_batch=together).transpose(0, 1)
-    keep = allowed[-1] if bool(allowed[-1].any()) else allowed.any(0)
-    idx = keep.nonzero()[:, 0]
-    if prompt_len is not None and prompt_len > len(idx):
-        raise InputError(f"as_sampled: a prompt of {prompt_len} tokens in a row of {len(idx)} tokens")
     out = attention_ref(qe, ke[idx], ve[idx], point, scale=scale, mask=allowed[:, idx], kv_split=kv_split,
                         prompt_len=prompt_len, sampled_batch=together)
     return out.transpose(0, 1)
