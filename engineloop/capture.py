@@ -633,9 +633,9 @@ def main(argv: list[str] | None = None) -> int:
             return 3
     else:
         data = capture_vllm(a.model, ps, a.max_tokens, a.seed, a.mode, a.batch_check)
-    tmp = a.out + ".tmp"
-    torch.save(data, tmp)
-    os.replace(tmp, a.out)
+    from engineprofiles.files import write_atomic_with
+
+    write_atomic_with(a.out, lambda f: torch.save(data, f))
     _log(f"wrote {a.out}")
     return 0
 

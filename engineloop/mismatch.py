@@ -385,9 +385,9 @@ def model_and_capture(engine: str, family: str, *, size: dict[str, int] | None, 
             if workdir:
                 torch.save(cap, wd / "capture.pt")  # with the model's size, for --capture
         if save_capture:
-            tmp_out = Path(save_capture).with_name(Path(save_capture).name + ".tmp")
-            torch.save(cap, tmp_out)
-            tmp_out.replace(save_capture)
+            from engineprofiles.files import write_atomic_with
+
+            write_atomic_with(save_capture, lambda f: torch.save(cap, f))  # the project's atomic writer
             note(f"capture saved to {save_capture} (reuse it with --capture)")
     return model, cap
 

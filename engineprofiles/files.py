@@ -17,7 +17,7 @@ import stat
 import tempfile
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from .errors import OutputNotWritable
 
@@ -123,6 +123,16 @@ def _signals_raise() -> Iterator[None]:
 def write_atomic(path: str | os.PathLike[str], text: str | bytes) -> Path:
     """Write ``text`` (UTF-8; or bytes as they are) to ``path`` atomically: a failure or a signal leaves the old file
     (or nothing) and no temporary file. Refuses a target that is not a regular file or absent."""
+    data = text.encode("utf-8") if isinstance(text, str) else text
+    return write_atomic_with(path, lambda f: f.write(data))
+
+
+def write_atomic_with(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> Path:
+    """:func:`write_atomic` for a writer: ``write(f)`` fills the temporary file ``f`` (opened binary), e.g.
+    ``lambda f: torch.save(obj, f)``; then it replaces ``path`` as :func:`write_atomic` does (a temporary
+    file of a unique name in the target's folder, the old file's mode kept, a symlink written through,
+    nothing left behind by a failure, an interrupt or SIGTERM/SIGHUP). An exception of ``write`` that is
+    not an OSError propagates as it is."""
     path = Path(path)
     target = file_target(path)
     try:
@@ -143,7 +153,7 @@ def write_atomic(path: str | os.PathLike[str], text: str | bytes) -> Path:
                     with contextlib.suppress(OSError):  # keep the owner where we may (root)
                         os.fchown(f.fileno(), old.st_uid, old.st_gid)
                 os.fchmod(f.fileno(), mode)
-                f.write(text.encode("utf-8") if isinstance(text, str) else text)
+                write(f)
                 f.flush()
                 os.fsync(f.fileno())
             file_target(path)  # still a regular file or nothing, right before the rename

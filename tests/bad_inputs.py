@@ -609,6 +609,69 @@ def _under_a_file(ctx: Ctx, name: str = "p.yaml") -> str:
     return str(f / name)
 
 
+def _save_capture(setup: Callable[[Ctx], tuple[Path, tuple[str, ...]]], interrupt: bool = False) -> Callable[[Ctx], Result]:
+    """What ``mismatch``/``localize --save-capture PATH`` do after the engine ran
+    (engineloop.mismatch.model_and_capture, the engine's capture stubbed): ``setup`` makes the folder and
+    returns PATH and the files whose bytes may change. ``interrupt``: a KeyboardInterrupt (Ctrl-C) in the
+    middle of torch.save."""
+
+    def run(ctx: Ctx) -> Result:
+        from engineloop import mismatch as M
+
+        target, may_change = setup(ctx)
+        before = snapshot(ctx.work)
+        fake = {"engine": {"name": "vllm", "version": "0.0", "mode": "eager"}, "sequences": []}
+        save = torch.save
+
+        def interrupted(obj: Any, f: Any, *a: Any, **k: Any) -> None:
+            f.write(b"half a capture")
+            raise KeyboardInterrupt
+
+        with mock.patch.object(M, "run_capture", lambda *a, **k: dict(fake)), \
+                mock.patch("torch.save", interrupted if interrupt else save):
+            try:
+                _, r = _call(lambda: M.model_and_capture(
+                    "vllm", "qwen2", size=None, capture_file=None, save_capture=str(target), prompts=1, max_tokens=1,
+                    seed=0, env=None, workdir=None, note=lambda m: None, mode="eager", prompt_len=4))
+            except KeyboardInterrupt:
+                r = Result(error="KeyboardInterrupt", error_class=KeyboardInterrupt,
+                           detail="re-raised to the caller after clean-up")
+        r.damage = file_damage(before, snapshot(ctx.work), may_change=may_change)
+        if not interrupt and r.error is None:
+            got = torch.load(target, weights_only=False)
+            if got.get("family") != "qwen2":
+                r.damage.append(f"{target.name} does not hold the capture")
+            what = {p: os.lstat(ctx.work / p) for p in sorted(before) if os.path.lexists(ctx.work / p)}
+            r.detail = "; ".join(
+                f"{p} {'a symlink still' if stat.S_ISLNK(st.st_mode) else f'mode {st.st_mode & 0o777:o}'}"
+                f"{', the capture' if p in may_change else ', untouched'}" for p, st in what.items())
+        r.checked = (f"bytes changed only in {', '.join(may_change)}; modes and kinds kept; no temporary file left"
+                     if may_change else "old file intact (bytes, mode), no temporary file left")
+        return r
+
+    return run
+
+
+def _capture_over_existing(ctx: Ctx) -> tuple[Path, tuple[str, ...]]:
+    target = _write(ctx, "out.pt", "old capture\n")
+    os.chmod(target, 0o600)
+    os.chmod(_write(ctx, "out.pt.tmp", "someone else's file\n"), 0o644)
+    return target, ("out.pt",)
+
+
+def _capture_symlink(ctx: Ctx) -> tuple[Path, tuple[str, ...]]:
+    _write(ctx, "real.pt", "old capture\n")
+    os.chmod(ctx.work / "real.pt", 0o640)
+    os.symlink("real.pt", ctx.work / "out.pt")
+    return ctx.work / "out.pt", ("real.pt",)
+
+
+def _capture_interrupted(ctx: Ctx) -> tuple[Path, tuple[str, ...]]:
+    target = _write(ctx, "out.pt", "old capture\n")
+    os.chmod(target, 0o600)
+    return target, ()
+
+
 # -- apply_profile --------------------------------------------------------------------------------
 
 
@@ -999,6 +1062,13 @@ def _cases() -> list[Case]:
         _cli(lambda ctx: ["mismatch", "--family", "gpt2"]), CliExit(2, "unknown model family"))
     add("cli-mismatch-json-under-a-file", CLI, "`mismatch --json` below a regular file",
         _cli(lambda ctx: ["mismatch", "--json", _under_a_file(ctx, "m.json")]), CliExit(2, "cannot write"))
+    add("cli-save-capture-over-existing", CLI, "`--save-capture out.pt` over a mode-600 out.pt, beside an unrelated "
+        "out.pt.tmp", _save_capture(_capture_over_existing),
+        Succeeds("out.pt mode 600, the capture; out.pt.tmp mode 644, untouched"))
+    add("cli-save-capture-symlink", CLI, "`--save-capture out.pt` where out.pt is a symlink to real.pt",
+        _save_capture(_capture_symlink), Succeeds("out.pt a symlink still, untouched; real.pt mode 640, the capture"))
+    add("cli-save-capture-interrupted", CLI, "Ctrl-C (KeyboardInterrupt) inside torch.save of `--save-capture out.pt` "
+        "over an existing out.pt", _save_capture(_capture_interrupted, interrupt=True), Raises(KeyboardInterrupt, ""))
 
     # apply_profile
     prof = _profile_obj
