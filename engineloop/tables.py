@@ -92,6 +92,7 @@ def load_mismatch(path: str):
     """A mismatch result saved by ``probe-engine mismatch --json`` as a :class:`~engineloop.mismatch.Report`.
     A file that is not one is an :class:`~engineprofiles.errors.ArgumentError` naming the file and the field."""
     import json
+    import stat
     from pathlib import Path
 
     from engineprofiles.errors import ArgumentError
@@ -100,12 +101,23 @@ def load_mismatch(path: str):
     from .mismatch import Report
 
     p = Path(path)
-    if not p.is_file():
-        raise ArgumentError(f"{path}: no such file (a mismatch result: probe-engine mismatch ... --json FILE)")
-    if p.stat().st_size > 64 * 1024 * 1024:
-        raise ArgumentError(f"{path}: {p.stat().st_size} bytes is too large for a mismatch result")
+    try:  # every OS error is a message naming the file, never a traceback
+        st = p.stat()
+        if stat.S_ISDIR(st.st_mode):
+            raise ArgumentError(f"{path}: a folder, not a mismatch result (the file of probe-engine mismatch ... --json "
+                                "FILE)")
+        if not stat.S_ISREG(st.st_mode):
+            raise ArgumentError(f"{path}: not a regular file (a mismatch result is the file of probe-engine mismatch ... "
+                                "--json FILE)")
+        if st.st_size > 64 * 1024 * 1024:
+            raise ArgumentError(f"{path}: {st.st_size} bytes is too large for a mismatch result")
+        raw = p.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        raise ArgumentError(f"{path}: no such file (a mismatch result: probe-engine mismatch ... --json FILE)") from None
+    except OSError as e:
+        raise ArgumentError(f"{path}: cannot read it ({e.strerror or e})") from None
     try:
-        data = json.loads(p.read_bytes().decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise ArgumentError(f"{path}: not a mismatch result (not UTF-8 text)") from None
     except json.JSONDecodeError as e:

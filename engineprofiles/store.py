@@ -8,8 +8,10 @@ replaces both (a folder of one's own probes, for example)."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import sys
 import warnings
 from pathlib import Path
@@ -58,15 +60,41 @@ def _check_kind(profile: object) -> None:
         )
 
 
+def _short(text: str, limit: int = 80) -> str:
+    """repr(text), its middle cut out when it is longer than ``limit`` characters."""
+    return repr(text) if len(text) <= limit else f"{text[:limit // 2]!r}...{text[-limit // 4:]!r}"
+
+
+def _is_file(p: Path, text: object) -> bool:
+    """Whether ``p`` is a regular file (following a symlink), asking the OS once: nothing there
+    (or a symlink loop) is False; a name too long for a file is :class:`ProfileNotFound` and any
+    other refusal (no permission to look in a folder on its path) :class:`ProfileError`, never a
+    raw OSError."""
+    try:
+        return stat.S_ISREG(os.stat(p).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return False
+        if e.errno == errno.ENAMETOOLONG:
+            raise ProfileNotFound(
+                f"no profile file or shipped profile named {_short(str(text))}: the name is too long for a file "
+                f"({len(str(text))} characters; the OS says: {e.strerror}); give a profile file's path, a shipped "
+                "profile's name or ENGINE[==VERSION][:MODE]") from None
+        where = str(p) if len(str(p)) <= 300 else _short(str(p), 300)
+        raise ProfileError(f"cannot look for the profile: {e.strerror or e}", source=where) from None
+
+
 def resolve(name_or_path: str | os.PathLike[str]) -> Path:
     """A path to an existing file, or the file of a shipped profile named ``name_or_path``."""
     _check_kind(name_or_path)
     p = Path(name_or_path)
-    if p.is_file():
+    if _is_file(p, name_or_path):
         return p
     stem = p.name[:-5] if p.name.endswith(".yaml") else p.name
     candidate = shipped_dir() / f"{stem}.yaml"
-    if str(p) == p.name and candidate.is_file():
+    if str(p) == p.name and _is_file(candidate, name_or_path):
         return candidate
     if os.path.lexists(p):  # there is something there, just not a profile file: say what
         what = "a folder" if p.is_dir() else "not a regular file (a device, FIFO, socket or broken link)"
@@ -85,7 +113,7 @@ def resolve(name_or_path: str | os.PathLike[str]) -> Path:
 def _names_a_file(text: str) -> bool:
     """``text`` is an existing file's path or a shipped profile's name (these come first)."""
     p = Path(text)
-    return p.is_file() or (text == p.name and (shipped_dir() / f"{text}.yaml").is_file())
+    return _is_file(p, text) or (text == p.name and _is_file(shipped_dir() / f"{text}.yaml", text))
 
 
 def names_engine(text: object) -> bool:

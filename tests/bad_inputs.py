@@ -153,7 +153,10 @@ def snapshot(folder: Path) -> dict[str, tuple]:
     snap = {}
     for p in sorted(folder.rglob("*")):
         st = os.lstat(p)
-        digest = hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else None
+        try:
+            digest = hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else None
+        except PermissionError:  # a case's unreadable file, where this process is not root: its kind and mode
+            digest = "unreadable"
         snap[str(p.relative_to(folder))] = (stat.S_IFMT(st.st_mode), st.st_mode & 0o7777, digest)
     return snap
 
@@ -602,6 +605,83 @@ def _read_only_folder(ctx: Ctx) -> list[str]:
     return ["transformers", "--quick", "--region", "swiglu", "-o", "/proc/engineprofiles-bad-input.yaml"]
 
 
+NOBODY = 65534  # the unprivileged user the permission cases run as, where the tests run as root
+
+
+@contextlib.contextmanager
+def _unprivileged():
+    """Within it, this process acts as a user whom mode bits stop: itself, or where it is root, nobody
+    (effective uid and gid 65534, no supplementary groups: what ``setpriv --reuid=65534 --regid=65534
+    --clear-groups`` gives, in-process so that the interpreter's own files, which nobody may not read
+    here, are not needed); yields who that is."""
+    if os.geteuid() != 0:
+        yield f"uid {os.geteuid()}"
+        return
+    groups = os.getgroups()
+    os.setgroups([])
+    os.setegid(NOBODY)
+    os.seteuid(NOBODY)
+    try:
+        yield f"nobody (uid {NOBODY}; the tests run as root)"
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+        os.setgroups(groups)
+
+
+def _cli_unprivileged(args: Callable[[Ctx], list[str]], warm: tuple[str, ...]) -> Callable[[Ctx], Result]:
+    """``probe-engine ARGS`` (in-process, as :func:`_cli`) run by a user whom permissions stop
+    (:func:`_unprivileged`). ``args`` makes the files and locks them; the case's folders are opened to
+    that user (mode 755), and ``<case>/out`` (mode 777) takes what it may write. ``warm``: the modules
+    the command imports, imported first (nobody may not read this interpreter's library here)."""
+
+    def run(ctx: Ctx) -> Result:
+        import importlib
+
+        from typer.testing import CliRunner
+
+        from engineloop.cli import app
+
+        for m in warm:
+            importlib.import_module(m)
+        for d in (ctx.base, ctx.work):
+            os.chmod(d, 0o755)
+        out = ctx.base / "out"
+        out.mkdir()
+        os.chmod(out, 0o777)
+        argv = args(ctx)
+        before = snapshot(ctx.work)
+        try:
+            with _unprivileged() as who:
+                res = CliRunner().invoke(app, argv)
+        except OSError as e:  # say so: the case cannot run unprivileged here
+            r = Result(traceback=f"could not act as an unprivileged user ({e}); the permission cases need a user "
+                                 "whom mode bits stop")
+        else:
+            r = _cli_result(res)
+            r.detail = f"run as {who}"
+        r.damage, r.checked = file_damage(before, snapshot(ctx.work)), FILES_UNCHANGED
+        return r
+
+    return run
+
+
+def _locked_folder_profile(ctx: Ctx) -> list[str]:
+    locked = ctx.work / "locked"
+    locked.mkdir()
+    synthetic_profile().save(locked / "p.yaml")
+    os.chmod(locked, 0o000)
+    return ["show", str(locked / "p.yaml")]
+
+
+def _unreadable_result(ctx: Ctx) -> list[str]:
+    os.chmod(_write(ctx, "m.json", "{}\n"), 0o000)
+    return ["plot", str(ctx.work / "m.json"), "-o", str(ctx.base / "out" / "m.png")]
+
+
+LONG_NAME = "v" * 300
+
+
 def _under_a_file(ctx: Ctx, name: str = "p.yaml") -> str:
     f = ctx.work / "file"
     if not f.exists():
@@ -985,6 +1065,12 @@ def _cases() -> list[Case]:
         Raises(ProfileNotFound, "no profile file or shipped profile"))
     add("file-bytes-path", PF, "a bytes path instead of a str or Path", _load(lambda ctx: b"p.yaml"),
         Raises(ProfileError, "got bytes"))
+    add("file-name-too-long", PF, "a 300-character profile name", _load(lambda ctx: LONG_NAME),
+        Raises(ProfileNotFound, "the name is too long for a file"))
+    add("file-path-too-long", PF, "a 5000-character path ('x/' 2500 times)", _load(lambda ctx: "x/" * 2500),
+        Raises(ProfileNotFound, "the name is too long for a file"))
+    add("file-engine-spec-too-long", PF, "an engine spec with a 1000-digit version ('vllm==0.32.0' + '9' * 1000)",
+        _load(lambda ctx: "vllm==0.32.0" + "9" * 1000), Raises(ProfileNotFound, "the name is too long for a file"))
     # profile files, written with Profile.save (write_atomic)
     add("file-save-under-a-file", PF, "saving to a path below a regular file (unwritable, even for root)",
         _save(lambda ctx: Path(_under_a_file(ctx))), Raises(OutputNotWritable, "a folder on its path is a file"))
@@ -1016,6 +1102,20 @@ def _cases() -> list[Case]:
         CliExit(2, "UTF-8"))
     add("cli-show-unknown-name", CLI, "`show` of a name that is no file and no shipped profile",
         _cli(lambda ctx: ["show", "vllm-9.9.9-cpu-eager-bfloat16"]), CliExit(2, "no profiles are shipped in <shipped>"))
+    add("cli-show-name-too-long", CLI, "`show` of a 300-character name", _cli(lambda ctx: ["show", LONG_NAME]),
+        CliExit(2, "the name is too long for a file"))
+    add("cli-validate-name-too-long", CLI, "`validate` of a 300-character name (validate exits 1 for an invalid profile)",
+        _cli(lambda ctx: ["validate", LONG_NAME]), CliExit(1, "the name is too long for a file", prefix="invalid"))
+    add("cli-diff-name-too-long", CLI, "`diff` of a 300-character name (exit 1 would say the profiles differ)",
+        _cli(lambda ctx: ["diff", LONG_NAME, LONG_NAME]), CliExit(2, "the name is too long for a file"))
+    add("cli-check-name-too-long", CLI, "`check` of a 300-character name (exit 1 would say the engine drifted)",
+        _cli(lambda ctx: ["check", LONG_NAME]), CliExit(2, "the name is too long for a file"))
+    add("cli-show-locked-folder", CLI, "`show` of a profile in a mode-000 folder, run by a user whom it stops",
+        _cli_unprivileged(_locked_folder_profile, ("yaml", "engineprofiles.render", "engineprofiles.select")),
+        CliExit(2, "Permission denied"))
+    add("cli-plot-unreadable", CLI, "`plot` of a mode-000 JSON file, run by a user whom it stops",
+        _cli_unprivileged(_unreadable_result, ("engineloop.tables", "engineloop.mismatch",
+                                                "engineprofiles.metrics")), CliExit(2, "cannot read it (Permission denied)"))
     add("cli-validate-directory", CLI, "`validate` of a folder (validate exits 1 for an invalid profile)",
         _cli(lambda ctx: ["validate", str(_folder(ctx))]), CliExit(1, "is a folder", prefix="invalid"))
     add("cli-diff-bad-format", CLI, "`diff -f xml`",
@@ -1102,6 +1202,8 @@ def _cases() -> list[Case]:
         Raises(ProfileNotFound, "is a folder"))
     add("apply-profile-binary", AP, "a binary file as the profile", _apply(_qwen2(), _file("p.yaml", BINARY)),
         Raises(ProfileError, "UTF-8"))
+    add("apply-profile-name-too-long", AP, "a 300-character profile name", _apply(_qwen2(), lambda ctx: LONG_NAME),
+        Raises(ProfileNotFound, "the name is too long for a file"))
     add("apply-profile-list", AP, "a list-shaped YAML file as the profile",
         _apply(_qwen2(), _file("p.yaml", "- 1\n")), Raises(ProfileError, "got list"))
     add("apply-profile-point", AP, "a lattice Point instead of a profile", _apply(_qwen2(), lambda ctx: P_SWIGLU),
