@@ -105,7 +105,9 @@ def show(
 @app.command()
 def plot(
     result: str = typer.Argument(..., help="a mismatch result: the JSON of `probe-engine mismatch ... --json FILE`"),
-    output: str = typer.Option(..., "--output", "-o", help="the PNG to write (a regular file or a new path)"),
+    output: str = typer.Option(..., "--output", "-o", help="the PNG to write (a regular file or a new path; not the "
+                               "result itself, nor in the folder of shipped profiles); '-' writes the PNG's bytes to "
+                               "stdout (redirected or piped, not a terminal)"),
 ) -> None:
     """Draw a saved mismatch result as a PNG: sampled tokens and the prefill re-scoring, exact-match
     fraction and k3 KL per trainer row (needs matplotlib: the package's plot extra)."""
@@ -113,12 +115,22 @@ def plot(
 
     try:
         tables.check_plot_available("probe-engine plot")
-        runner.check_output_file(output, "-o")
+        runner.check_outputs([("-o", output)], [("the mismatch result", result)])
+        _check_binary_stdout(output, "-o", "the PNG")
         rep = tables.load_mismatch(result)
-        tables.mismatch_plot(rep, output)
+        where = runner.write_output(output, tables.mismatch_png(rep))
     except EngineProfilesError as e:
         _fail(e)
-    _say(err, f"wrote {output}")
+    _say(err, f"wrote {where if where != 'stdout' else 'the PNG to stdout'}")
+
+
+def _check_binary_stdout(path: Optional[str], option: str, what: str) -> None:
+    """``-`` for a binary output: refused where stdout is a terminal (the bytes would be shown as text)."""
+    import sys
+
+    if path == "-" and sys.stdout.isatty():
+        raise EngineProfilesError(f"{option} - writes {what}'s bytes to stdout, which is a terminal: redirect it "
+                                  "(> file.png), pipe it, or give a file")
 
 
 @app.command("list")
@@ -345,9 +357,11 @@ def mismatch(
     max_tokens: int = typer.Option(16, help="tokens sampled per prompt"),
     seed: int = typer.Option(0, help="seed of the model weights, prompts and sampling"),
     env: Optional[str] = typer.Option(None, help="engine environment (venv, python or version)"),
-    json_out: Optional[str] = typer.Option(None, "--json", help="also write the numbers as JSON"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="also write the numbers as JSON to this file; '-': "
+                                           "to stdout (the table then goes to stderr)"),
     plot: Optional[str] = typer.Option(None, help="also draw the result as a PNG, as `probe-engine plot` draws a "
-                                       "saved one (needs matplotlib: the plot extra)"),
+                                       "saved one (needs matplotlib: the plot extra); '-': its bytes to stdout (not a "
+                                       "terminal; the table then goes to stderr)"),
     capture: Optional[str] = typer.Option(None, help="reuse a capture file instead of running the engine"),
     save_capture: Optional[str] = typer.Option(None, help="keep the engine's capture in this file (for --capture)"),
     mode: str = typer.Option("default", help="the engine's execution mode: default (vLLM on CPU: compiled) or eager"),
@@ -395,13 +409,14 @@ def mismatch(
     size = _size(layers, hidden, intermediate, heads, kv_heads, head_dim)
     # Everything that can be checked is checked before the engine runs (minutes).
     try:
-        _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out)
+        _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out,
+                            plot=plot, profile=profile)
         if rope_scaling is not None:
             from engineprofiles.names import check_rope_scaling_name
 
             check_rope_scaling_name(rope_scaling)
         if plot:
-            runner.check_output_file(plot, "--plot")
+            _check_binary_stdout(plot, "--plot", "the PNG")
             tables.check_plot_available()
         require("insitu", "probe-engine mismatch (the trainer side: HF models patched by the emulator)")
         if allow_other_machine and not exact:
@@ -429,16 +444,14 @@ def mismatch(
     import sys
 
     rep.command = os.environ.get("ENGINEPROFILES_COMMAND") or shlex.join(["probe-engine", *sys.argv[1:]])
-    out.print(tables.mismatch_table(rep))
+    (err if "-" in (json_out, plot) else out).print(tables.mismatch_table(rep))  # stdout: the JSON or PNG alone
     try:
         if json_out:
-            from engineprofiles.files import write_atomic
-
-            write_atomic(Path(json_out), json.dumps(rep.as_dict(), indent=2))
-            _say(err, f"wrote {json_out}")
+            where = runner.write_output(json_out, json.dumps(rep.as_dict(), indent=2))
+            _say(err, f"wrote {where if where != 'stdout' else 'the JSON to stdout'}")
         if plot:
-            tables.mismatch_plot(rep, plot)
-            _say(err, f"wrote {plot}")
+            where = runner.write_output(plot, tables.mismatch_png(rep))
+            _say(err, f"wrote {where if where != 'stdout' else 'the PNG to stdout'}")
     except EngineProfilesError as e:
         _fail(e)
 
@@ -449,8 +462,11 @@ def _size(layers, hidden, intermediate, heads, kv_heads, head_dim) -> dict[str, 
                               ("num_key_value_heads", kv_heads), ("head_dim", head_dim)) if v is not None}
 
 
-def _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out) -> None:
-    """The options of the engine-in-the-loop commands that need no engine: checked before it starts."""
+def _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out,
+                        plot=None, profile=None) -> None:
+    """The options of the engine-in-the-loop commands that need no engine: checked before it starts; the
+    outputs together (runner.check_outputs): none of them the capture or profile file read, two outputs never
+    one file, '-' (stdout) for one of them at most."""
     from engineprofiles.names import check_family_name
 
     from . import runner
@@ -465,10 +481,10 @@ def _check_loop_options(family, size, capture, save_capture, prompts, max_tokens
         raise EngineProfilesError("--prompts, --max-tokens and --prompt-len must be positive")
     if mode not in ("default", "compiled", "eager"):
         raise EngineProfilesError(f"--mode must be default, compiled or eager; got {mode!r}")
-    if json_out:
-        runner.check_output_file(json_out, "--json")
-    if save_capture:
-        runner.check_output_file(save_capture, "--save-capture")
+    if save_capture == "-":
+        raise EngineProfilesError("--save-capture takes a file (a capture is kept for --capture), not '-'")
+    runner.check_outputs([("--json", json_out), ("--plot", plot), ("--save-capture", save_capture)],
+                         [("the --capture file", capture), ("the --profile file", _profile_file(profile))])
 
 
 @app.command()
@@ -488,7 +504,8 @@ def localize(
     env: Optional[str] = typer.Option(None, help="engine environment (venv, python or version)"),
     capture: Optional[str] = typer.Option(None, help="reuse a capture file instead of running the engine"),
     save_capture: Optional[str] = typer.Option(None, help="keep the engine's capture in this file (for --capture)"),
-    json_out: Optional[str] = typer.Option(None, "--json", help="also write the result as JSON"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="also write the result as JSON to this file; '-': "
+                                           "to stdout (the table then goes to stderr)"),
     no_fixes: bool = typer.Option(False, "--no-fixes", help="only localize; do not try the profile changes"),
     layers: Optional[int] = typer.Option(None, help="tiny model size: decoder layers (default 2)"),
     hidden: Optional[int] = typer.Option(None, help="tiny model size: hidden size (default 256)"),
@@ -516,7 +533,8 @@ def localize(
         _fail(EngineProfilesError(f"localize runs vllm only (SGLang's capture runs its model compiled into the scheduler process, with no per-module tensors yet); got {engine!r}"))
     size = _size(layers, hidden, intermediate, heads, kv_heads, head_dim)
     try:
-        _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out)
+        _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out,
+                            profile=profile)
         from .localize import TRAINERS
 
         bad = [t for t in trainer if t not in TRAINERS]
@@ -540,15 +558,15 @@ def localize(
     except EngineProfilesError as e:
         _fail(e)
     rep.command = os.environ.get("ENGINEPROFILES_COMMAND") or shlex.join(["probe-engine", *sys.argv[1:]])
-    out.print(tables.localize_table(rep))
+    (err if json_out == "-" else out).print(tables.localize_table(rep))  # stdout: the JSON alone
     if json_out:
-        from engineprofiles.files import write_atomic
+        from . import runner
 
         try:
-            write_atomic(Path(json_out), json.dumps(rep.as_dict(), indent=2))
+            where = runner.write_output(json_out, json.dumps(rep.as_dict(), indent=2))
         except EngineProfilesError as e:
             _fail(e)
-        _say(err, f"wrote {json_out}")
+        _say(err, f"wrote {where if where != 'stdout' else 'the JSON to stdout'}")
 
 
 ENGINE_HELP = {
@@ -585,6 +603,19 @@ def _check_arguments(engine: str, device: str, dtype: str, mode: str, family: st
         check_probe_region_name(r)
 
 
+def _profile_file(profile: Optional[str]) -> Optional[str]:
+    """The file a profile argument names (a path or a shipped name), for the output checks; None when
+    it names none (an engine, or nothing there: that error comes later, with its own message)."""
+    if not profile:
+        return None
+    from engineprofiles import store
+
+    try:
+        return None if store.names_engine(profile) else str(store.resolve(profile))
+    except EngineProfilesError:
+        return None
+
+
 def _check_cuda(device: str) -> None:
     if device.startswith("cuda"):
         import sys
@@ -611,7 +642,7 @@ def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str
 
     try:
         _check_arguments(engine, device, dtype, mode, model or "qwen2", region)
-        target, is_dir = runner.output_path(output, ship)
+        target, is_dir = runner.output_path(output, ship, [("the --apply profile", _profile_file(apply))])
         if not runner.engine_importable(engine) and not os.environ.get("ENGINEPROFILES_REEXEC"):
             python = runner.find_engine_python(engine, env)
             raise typer.Exit(runner.reexec_in(python, sys.argv[1:], lambda m: _say(err, m)))
@@ -734,7 +765,7 @@ def _in_situ(engine: str, families: list[str], output: Optional[str], seed: int,
         if captures and len(captures) != len(families):
             raise EngineProfilesError(f"{len(captures)} --capture file(s) for {len(families)} --family: give one "
                                       "capture per family, in the same order")
-        target, is_dir = runner.output_path(output, ship)
+        target, is_dir = runner.output_path(output, ship, [("a --capture file", c) for c in captures])
         caps = [load_capture(c) for c in captures]
         pairs = []
         for i, family in enumerate(families):

@@ -134,9 +134,82 @@ def check_output_file(path: str | os.PathLike[str], what: str) -> Path:
     return p
 
 
-def output_path(output: str | None, ship: bool = False) -> tuple[Path | None, bool]:
+def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether two paths name one file: the same resolved path (symlinks, ``./`` and ``..`` spellings),
+    or, both existing, the same inode (a hard link)."""
+    try:
+        if os.path.realpath(a) == os.path.realpath(b):
+            return True
+        return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
+
+
+def in_shipped_folder(path: str | os.PathLike[str]) -> bool:
+    """Whether a write to ``path`` (through its symlink) lands in the folder of shipped profiles."""
+    try:
+        folder = file_target(path).parent
+    except OutputNotWritable:
+        return False
+    return os.path.realpath(folder) in _shipped_folders()
+
+
+def check_outputs(outputs: list[tuple[str, str | None]], inputs: list[tuple[str, str | None]] = (),
+                  ship: bool | None = None) -> None:
+    """Every output of one command, (option, path) with None for an option not given, checked before any
+    work: ``-`` (stdout) at most once; each file writable (:func:`check_output_file`); none in the folder
+    of shipped profiles unless ``ship`` (None: the command has no --ship, so never); none the same file
+    as an input of the run (``inputs``: (what, path) of the files it reads; the ones that exist) or as
+    another output. Raises :class:`OutputNotWritable`, having written nothing."""
+    given = [(opt, str(p)) for opt, p in outputs if p]
+    stdout = [opt for opt, p in given if p == "-"]
+    if len(stdout) > 1:
+        raise OutputNotWritable(f"{' and '.join(stdout)} both write to stdout ('-'): give all but one of them a file")
+    files = [(opt, p) for opt, p in given if p != "-"]
+    for opt, p in files:
+        check_output_file(p, opt)
+        if not ship and in_shipped_folder(p):
+            how = ("pass --ship to write (and overwrite) a shipped profile there, or write elsewhere" if ship is not None
+                   else "this command never writes there; write elsewhere")
+            raise OutputNotWritable(f"{opt} {p} is in the folder of shipped profiles ({shipped_dir()}), where only a "
+                                    f"probe with --ship writes (scripts/probe.sh ... --ship): {how}")
+        for what, q in inputs:
+            if q and q != "-" and os.path.exists(q) and same_file(p, q):
+                raise OutputNotWritable(f"{opt} {p} is {what} {q}, which this command reads: writing it would replace "
+                                        "its input; write to another path")
+    for i, (opt, p) in enumerate(files):
+        for opt2, p2 in files[i + 1:]:
+            if same_file(p, p2):
+                raise OutputNotWritable(f"{opt} {p} and {opt2} {p2} are the same file: the second write would replace "
+                                        "the first; give each its own path")
+
+
+def write_output(path: str, data: str | bytes) -> str:
+    """Write an output checked by :func:`check_outputs`: ``-`` to stdout (bytes as they are), a file
+    atomically. Returns where it went, for a message."""
+    if path == "-":
+        import sys
+
+        stream = sys.stdout
+        stream.flush()
+        if isinstance(data, bytes):
+            stream.buffer.write(data)
+            stream.buffer.flush()
+        else:
+            stream.write(data if data.endswith("\n") else data + "\n")
+            stream.flush()
+        return "stdout"
+    from engineprofiles.files import write_atomic
+
+    write_atomic(Path(path), data)
+    return path
+
+
+def output_path(output: str | None, ship: bool = False,
+                inputs: list[tuple[str, str | None]] = ()) -> tuple[Path | None, bool]:
     """(path or folder, is_folder). Checked before probing: an unwritable target fails early, and
-    so does one in the folder of shipped profiles without ``ship``. None for '-' (stdout)."""
+    so does one in the folder of shipped profiles without ``ship``, and a file that is one of the
+    run's ``inputs`` ((what, path), as for :func:`check_outputs`). None for '-' (stdout)."""
     if output is None or output == "-":
         return None, False
     p = Path(output)
@@ -157,6 +230,7 @@ def output_path(output: str | None, ship: bool = False) -> tuple[Path | None, bo
         check_writable_folder(p, f"the profile to {output}")
     else:
         check_output_file(p, "the profile")
+        check_outputs([("-o", output)], inputs, ship=True)  # (the shipped folder is checked above)
     return p, is_dir
 
 

@@ -158,14 +158,18 @@ def load_mismatch(path: str):
 
 
 def mismatch_plot(rep, path: str) -> None:
-    """Draw a mismatch report as a PNG, written atomically to ``path`` (a regular file or a new path):
-    one row of panels for the sampled tokens (the engine's decode log-probs) and one for every token
+    """:func:`mismatch_png`, written atomically to ``path`` (a regular file or a new path)."""
+    from engineprofiles.files import write_atomic
+
+    write_atomic(path, mismatch_png(rep))
+
+
+def mismatch_png(rep) -> bytes:
+    """Draw a mismatch report as a PNG (its bytes): one row of panels for the sampled tokens (the engine's decode log-probs) and one for every token
     re-scored in one prefill; exact-match fraction (linear, 0-100%) and k3 KL (log scale; a bit-exact
     row's 0 is written out, as a log axis cannot show it); each bar labelled with its value."""
     import io
     import math
-
-    from engineprofiles.files import write_atomic
 
     check_plot_available()
     import matplotlib
@@ -220,7 +224,7 @@ def mismatch_plot(rep, path: str) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, dpi=120, format="png")
     plt.close(fig)
-    write_atomic(path, buf.getvalue())
+    return buf.getvalue()
 
 
 def in_situ_table(fit) -> Table:

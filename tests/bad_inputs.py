@@ -487,8 +487,10 @@ def _sigint_write_atomic(ctx: Ctx) -> Result:
 # -- the CLI --------------------------------------------------------------------------------------
 
 
-def _cli(args: Callable[[Ctx], list[str]], setup: Callable[[Ctx], Any] | None = None) -> Callable[[Ctx], Result]:
-    """``probe-engine ARGS`` in-process (typer's CliRunner, as tests/engineloop/test_cli.py runs it)."""
+def _cli(args: Callable[[Ctx], list[str]], setup: Callable[[Ctx], Any] | None = None,
+         in_work: bool = False) -> Callable[[Ctx], Result]:
+    """``probe-engine ARGS`` in-process (typer's CliRunner, as tests/engineloop/test_cli.py runs it);
+    ``in_work``: in the case's folder (for relative paths)."""
 
     def run(ctx: Ctx) -> Result:
         from typer.testing import CliRunner
@@ -498,13 +500,29 @@ def _cli(args: Callable[[Ctx], list[str]], setup: Callable[[Ctx], Any] | None = 
         if setup is not None:
             setup(ctx)
         argv = args(ctx)  # (it may make the files it names)
-        before = snapshot(ctx.work)
-        res = CliRunner().invoke(app, argv)
+        before = _snapshots(ctx)
+        cwd = os.getcwd()
+        if in_work:
+            os.chdir(ctx.work)
+        try:
+            res = CliRunner().invoke(app, argv)
+        finally:
+            os.chdir(cwd)
         r = _cli_result(res)
-        r.damage, r.checked = file_damage(before, snapshot(ctx.work)), FILES_UNCHANGED
+        r.damage, r.checked = _damage(ctx, before), FILES_UNCHANGED
         return r
 
     return run
+
+
+def _snapshots(ctx: Ctx) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """The case's folder and its folder of shipped profiles (a shipped profile is damage too)."""
+    return snapshot(ctx.work), snapshot(ctx.shipped)
+
+
+def _damage(ctx: Ctx, before: tuple[dict[str, tuple], dict[str, tuple]], may_change: tuple[str, ...] = ()) -> list[str]:
+    work, shipped = _snapshots(ctx)
+    return file_damage(before[0], work, may_change) + [f"<shipped>/{d}" for d in file_damage(before[1], shipped)]
 
 
 def _cli_result(res: Any) -> Result:
@@ -603,6 +621,67 @@ def _read_only_folder(ctx: Ctx) -> list[str]:
     os.close(fd)
     os.unlink(tmp)
     return ["transformers", "--quick", "--region", "swiglu", "-o", "/proc/engineprofiles-bad-input.yaml"]
+
+
+SAVED_RESULT = ROOT / "docs" / "data" / "mismatch-vllm-0.32.0-qwen2.json"  # a result of mismatch --json
+
+
+def _result(ctx: Ctx, name: str = "s.json") -> Path:
+    return _write(ctx, name, SAVED_RESULT.read_bytes())
+
+
+def _shipped_profile(ctx: Ctx) -> Path:
+    p = ctx.shipped / "vllm-0.32.0-cpu-eager-bfloat16.yaml"
+    synthetic_profile().save(p)
+    return p
+
+
+def _cli_stdout(args: Callable[[Ctx], list[str]], judge: Callable[[bytes, str], str],
+                report: bool = False) -> Callable[[Ctx], Result]:
+    """``probe-engine ARGS`` run in the case's folder (a file named ``-`` would appear there), its stdout
+    apart from its stderr; ``judge(stdout, stderr)`` says what stdout holds. ``report``: the mismatch
+    run replaced by a saved result (docs/data), as if the engine had run."""
+
+    def run(ctx: Ctx) -> Result:
+        from typer.testing import CliRunner
+
+        from engineloop import tables
+        from engineloop.cli import app
+
+        argv = args(ctx)
+        before = _snapshots(ctx)
+        rep = tables.load_mismatch(str(SAVED_RESULT))
+        cwd = os.getcwd()
+        os.chdir(ctx.work)
+        try:
+            with mock.patch("engineloop.mismatch.run_mismatch", lambda *a, **k: rep) if report else \
+                    contextlib.nullcontext():
+                res = CliRunner().invoke(app, argv)
+        finally:
+            os.chdir(cwd)
+        r = _cli_result(res)
+        if res.exit_code == 0:
+            r.detail = judge(res.stdout_bytes, res.stderr)
+        r.damage, r.checked = _damage(ctx, before), "files unchanged (bytes, mode, kind; no new file: none named -)"
+        return r
+
+    return run
+
+
+def _png_on_stdout(out: bytes, err: str) -> str:
+    return (f"stdout is a PNG of {len(out)} bytes, nothing else" if out.startswith(b"\x89PNG\r\n\x1a\n")
+            and out.endswith(b"IEND\xaeB`\x82") else f"stdout is not a PNG alone: {out[:40]!r}")
+
+
+def _json_on_stdout(out: bytes, err: str) -> str:
+    import json
+
+    try:
+        data = json.loads(out)
+    except ValueError as e:
+        return f"stdout is not JSON alone ({e}): {out[:80]!r}"
+    where = "the table on stderr" if "exact match" in err or "trainer" in err else "no table on stderr"
+    return f"stdout is the JSON alone ({len(data['sampled'])} sampled rows); {where}"
 
 
 NOBODY = 65534  # the unprivileged user the permission cases run as, where the tests run as root
@@ -1162,6 +1241,39 @@ def _cases() -> list[Case]:
         _cli(lambda ctx: ["mismatch", "--family", "gpt2"]), CliExit(2, "unknown model family"))
     add("cli-mismatch-json-under-a-file", CLI, "`mismatch --json` below a regular file",
         _cli(lambda ctx: ["mismatch", "--json", _under_a_file(ctx, "m.json")]), CliExit(2, "cannot write"))
+    # outputs never clobber an input, each other, or a shipped profile; '-' is stdout
+    add("cli-plot-over-its-input", CLI, "`plot s.json -o s.json` (the PNG over the result it draws)",
+        _cli(lambda ctx: ["plot", str(_result(ctx)), "-o", str(ctx.work / "s.json")]),
+        CliExit(2, "which this command reads"))
+    add("cli-plot-over-its-input-spelled-otherwise", CLI, "`plot s.json -o ./link.json`, a symlink to s.json, "
+        "given as a relative path with ./",
+        _cli(lambda ctx: (_result(ctx), os.symlink("s.json", ctx.work / "link.json"),
+                          ["plot", str(ctx.work / "s.json"), "-o", "./link.json"])[-1], in_work=True),
+        CliExit(2, "which this command reads"))
+    add("cli-plot-over-a-shipped-profile", CLI, "`plot m.json -o <shipped>/vllm-0.32.0-cpu-eager-bfloat16.yaml` (plot "
+        "has no --ship)",
+        _cli(lambda ctx: ["plot", str(_result(ctx)), "-o", str(_shipped_profile(ctx))]),
+        CliExit(2, "in the folder of shipped profiles"))
+    add("cli-mismatch-json-over-capture", CLI, "`mismatch --capture c.pt --json c.pt` (refused before the run)",
+        _cli(lambda ctx: ["mismatch", "--capture", str(_write(ctx, "c.pt", "a capture\n")), "--json",
+                          str(ctx.work / "c.pt")]), CliExit(2, "which this command reads"))
+    add("cli-mismatch-json-and-plot-one-file", CLI, "`mismatch --json x --plot ./x` (refused before the run)",
+        _cli(lambda ctx: ["mismatch", "--json", str(ctx.work / "x"), "--plot", f"{ctx.work}/./x"]),
+        CliExit(2, "are the same file"))
+    add("cli-mismatch-json-and-save-capture-one-file", CLI, "`mismatch --save-capture out.pt --json out.pt`",
+        _cli(lambda ctx: ["mismatch", "--save-capture", str(ctx.work / "out.pt"), "--json", str(ctx.work / "out.pt")]),
+        CliExit(2, "are the same file"))
+    add("cli-mismatch-both-to-stdout", CLI, "`mismatch --json - --plot -`",
+        _cli(lambda ctx: ["mismatch", "--json", "-", "--plot", "-"]), CliExit(2, "both write to stdout"))
+    add("cli-probe-over-its-apply", CLI, "`transformers --apply p.yaml -o p.yaml` (the probe over the profile it applies)",
+        _cli(lambda ctx: ["transformers", "--quick", "--apply", str(ctx.work / "p.yaml"), "-o", str(ctx.work / "p.yaml")],
+             lambda ctx: synthetic_profile().save(ctx.work / "p.yaml")), CliExit(2, "which this command reads"))
+    add("cli-plot-to-stdout", CLI, "`plot s.json -o -` (redirected)",
+        _cli_stdout(lambda ctx: ["plot", str(_result(ctx)), "-o", "-"], _png_on_stdout),
+        Succeeds("stdout is a PNG of"))
+    add("cli-mismatch-json-to-stdout", CLI, "`mismatch --json -` (the run replaced by a saved result)",
+        _cli_stdout(lambda ctx: ["mismatch", "--json", "-"], _json_on_stdout, report=True),
+        Succeeds("stdout is the JSON alone"))
     add("cli-save-capture-over-existing", CLI, "`--save-capture out.pt` over a mode-600 out.pt, beside an unrelated "
         "out.pt.tmp", _save_capture(_capture_over_existing),
         Succeeds("out.pt mode 600, the capture; out.pt.tmp mode 644, untouched"))
