@@ -14,6 +14,7 @@ from rich.text import Text
 from engineprofiles import __version__
 from engineprofiles.errors import EngineProfilesError
 from engineprofiles.names import FAMILY_NAMES
+from engineprofiles.text import install as install_printable
 
 # render and store (and through them torch) are imported inside the commands that use them, so
 # that `probe-engine vllm` starts and hands over to the engine's environment without loading torch
@@ -26,8 +27,10 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console()
-err = Console(stderr=True)
+# Every string these consoles print goes through engineprofiles.text.printable: a profile's or a
+# capture's strings (and error messages quoting them) never drive the terminal.
+out = install_printable(Console())
+err = install_printable(Console(stderr=True))
 
 
 def _fail(e: Exception, code: int = 2) -> None:
@@ -99,7 +102,7 @@ def show(
 
     group = render.show_group(p, name, wide=True)
     natural = Measurement.get(out, out.options.update(max_width=10_000), group).maximum
-    Console(file=out.file, width=max(out.width, natural)).print(group)
+    install_printable(Console(file=out.file, width=max(out.width, natural))).print(group)
 
 
 @app.command()
@@ -180,7 +183,7 @@ def list_profiles(
         from rich.measure import Measurement
 
         natural = Measurement.get(out, out.options.update(max_width=10_000), t).maximum
-        console = Console(file=out.file, width=max(out.width, natural))
+        console = install_printable(Console(file=out.file, width=max(out.width, natural)))
     console.print(t)
 
 
@@ -205,7 +208,7 @@ def diff(
         _fail(e)
     d = diff_profiles(pa, pb, a, b)
     if format == "json":
-        out.print(d.to_json(), highlight=False, markup=False, soft_wrap=True)
+        typer.echo(d.to_json())  # the JSON's own escapes, as written
     elif format == "markdown":
         out.print(d.to_markdown(), highlight=False, markup=False, soft_wrap=True)
     else:

@@ -1,7 +1,9 @@
 """Readable renderings of profiles for the terminal (rich).
 
 Every string that comes from a profile or from the command line is rendered as a :class:`Text`,
-never parsed as rich markup: ``engine.device: '[/bold] x'`` prints as written.
+never parsed as rich markup: ``engine.device: '[/bold] x'`` prints as written; and with its control
+characters escaped (:func:`engineprofiles.text.printable`): a ``provenance.command`` holding
+``\x1b[2J`` shows those characters, it does not clear the screen.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ from rich.table import Table
 from rich.text import Text
 
 from .schema import Profile
+from .text import printable
 
 
 def _t(value: object, style: str = "") -> Text:
-    """``value`` as literal text (no markup)."""
-    return Text(str(value), style=style)
+    """``value`` as literal text (no markup, control characters escaped)."""
+    return Text(printable(str(value)), style=style)
 
 
 def _pct(x: float | None) -> str:
@@ -34,13 +37,14 @@ def _pct(x: float | None) -> str:
 def profile_header(p: Profile, name: str | None = None) -> Text:
     e, pv = p.engine, p.provenance
     t = Text()
-    t.append(f"{name or p.canonical_name}\n", style="bold")
-    t.append(f"engine   {e.name} {e.version}  backend={e.backend}  device={e.device}\n")
-    t.append(f"mode     {e.execution_mode}  dtype={p.dtype}  torch={e.torch_version}\n")
+    t.append(printable(f"{name or p.canonical_name}\n"), style="bold")
+    t.append(printable(f"engine   {e.name} {e.version}  backend={e.backend}  device={e.device}\n"))
+    t.append(printable(f"mode     {e.execution_mode}  dtype={p.dtype}  torch={e.torch_version}\n"))
     if e.settings:
-        t.append("settings " + ", ".join(f"{k}={v}" for k, v in e.settings.items()) + "\n")
-    t.append(f"probed   {pv.date}  method={pv.method}  probe v{pv.probe_version} (package {pv.package_version})\n")
-    t.append(f"command  {pv.command}")
+        t.append(printable("settings " + ", ".join(f"{k}={v}" for k, v in e.settings.items()) + "\n"))
+    t.append(printable(f"probed   {pv.date}  method={pv.method}  probe v{pv.probe_version} "
+                       f"(package {pv.package_version})\n"))
+    t.append(printable(f"command  {pv.command}"))
     return t
 
 
@@ -92,13 +96,14 @@ def notes(p: Profile) -> Text:
     for name, _, entry in p.entries():
         ev = entry.evidence
         if ev.path:
-            t.append(f"{name}: probed {ev.path}\n")
+            t.append(printable(f"{name}: probed {ev.path}\n"))
         for n in ev.notes:
-            t.append(f"{name}: {n}\n")
+            t.append(printable(f"{name}: {n}\n"))
         if ev.indistinguishable:
-            t.append(f"{name}: not told apart on the probe inputs: {'; '.join(ev.indistinguishable)}\n")
+            t.append(printable(f"{name}: not told apart on the probe inputs: {'; '.join(ev.indistinguishable)}\n"))
         if ev.tied_with:
-            t.append(f"{name}: tied with {'; '.join(ev.tied_with)}\n", style="red" if ev.ambiguous else "yellow")
+            t.append(printable(f"{name}: tied with {'; '.join(ev.tied_with)}\n"),
+                     style="red" if ev.ambiguous else "yellow")
     return t
 
 

@@ -684,6 +684,61 @@ def _json_on_stdout(out: bytes, err: str) -> str:
     return f"stdout is the JSON alone ({len(data['sampled'])} sampled rows); {where}"
 
 
+HOSTILE = ("\x1b[2J", "\x1b]0;", "\x07", "\x9b", "\u202e", "\x1b[5m")  # clear screen, set title, bell, CSI, RTL, blink
+
+
+def _hostile(d: dict) -> None:
+    d["provenance"]["command"] = "probe-engine \x1b[2J\x1b]0;PWNED\x07 done"
+    d["engine"]["device"] = "cpu \x9b31m\u202eevil"
+    d["regions"]["swiglu"]["evidence"].setdefault("notes", []).append("note \x1b[5m blink")
+
+
+def _hostile_profile(ctx: Ctx) -> Path:
+    """A valid profile whose provenance.command, engine.device and a note hold terminal escapes."""
+    p = ctx.work / "evil.yaml"
+    p.write_text(_mutated(_hostile))
+    return p
+
+
+def _hostile_report() -> Any:
+    """A saved mismatch result whose engine fields and warnings (from the engine's capture) hold terminal escapes."""
+    from engineloop import tables
+
+    rep = tables.load_mismatch(str(SAVED_RESULT))
+    rep.engine = {**rep.engine, "version": "0.32.0 \x1b[2J", "device": "cpu \x9b31m\u202eevil"}
+    rep.warnings = [*rep.warnings, "\x1b]0;PWNED\x07 and \x1b[5m blink"]
+    return rep
+
+
+def _cli_terminal(args: Callable[[Ctx], list[str]], terminal: bool = False,
+                  report: Callable[[], Any] | None = None) -> Callable[[Ctx], Result]:
+    """``probe-engine ARGS`` (as :func:`_cli`); what it printed, stdout and stderr, must hold none of the
+    HOSTILE sequences, and show them escaped. ``terminal``: stdout taken for a terminal (rich styles it).
+    ``report``: the mismatch run replaced by the result it makes."""
+
+    def run(ctx: Ctx) -> Result:
+        from rich.console import Console
+
+        from engineprofiles.text import install
+
+        argv = args(ctx)
+        before = _snapshots(ctx)
+        console = install(Console(force_terminal=True, width=200)) if terminal else None
+        rep = report() if report is not None else None
+        with mock.patch("engineloop.cli.out", console) if terminal else contextlib.nullcontext(), \
+                mock.patch("engineloop.mismatch.run_mismatch", lambda *a, **k: rep) if report else contextlib.nullcontext():
+            r = _cli(lambda ctx: argv)(ctx)
+        text = r.output
+        passed = [repr(h) for h in HOSTILE if h in text]
+        shown = [h for h in ("\\x1b[2J", "\\x1b]0;PWNED\\x07", "\\x9b31m\\u202eevil", "\\x1b[5m") if h in text]
+        r.detail = (f"passed through to the terminal: {', '.join(passed)}" if passed else
+                    f"no control character reached the terminal; shown escaped: {', '.join(shown) or 'none'}")
+        r.damage, r.checked = _damage(ctx, before), FILES_UNCHANGED
+        return r
+
+    return run
+
+
 NOBODY = 65534  # the unprivileged user the permission cases run as, where the tests run as root
 
 
@@ -1274,6 +1329,23 @@ def _cases() -> list[Case]:
     add("cli-mismatch-json-to-stdout", CLI, "`mismatch --json -` (the run replaced by a saved result)",
         _cli_stdout(lambda ctx: ["mismatch", "--json", "-"], _json_on_stdout, report=True),
         Succeeds("stdout is the JSON alone"))
+    # strings from a file never drive the terminal
+    add("cli-show-terminal-escapes", CLI, "`show` of a profile whose provenance.command, engine.device and a note "
+        "hold terminal escapes (clear screen, window title, CSI, right-to-left override, blink), piped",
+        _cli_terminal(lambda ctx: ["show", str(_hostile_profile(ctx))]),
+        Succeeds("no control character reached the terminal; shown escaped: \\x1b[2J, \\x1b]0;PWNED\\x07, "
+                 "\\x9b31m\\u202eevil, \\x1b[5m"))
+    add("cli-show-terminal-escapes-on-a-terminal", CLI, "the same `show` on a terminal (rich styles the output)",
+        _cli_terminal(lambda ctx: ["show", str(_hostile_profile(ctx))], terminal=True),
+        Succeeds("no control character reached the terminal; shown escaped: \\x1b[2J, \\x1b]0;PWNED\\x07, "
+                 "\\x9b31m\\u202eevil, \\x1b[5m"))
+    add("cli-diff-terminal-escapes", CLI, "`diff` of that profile and a plain one (the differing strings are shown)",
+        _cli_terminal(lambda ctx: ["diff", str(_write(ctx, "good.yaml", good_yaml())), str(_hostile_profile(ctx))]),
+        Succeeds("no control character reached the terminal; shown escaped: \\x9b31m\\u202eevil"))
+    add("cli-mismatch-terminal-escapes", CLI, "`mismatch` whose capture's engine version and warnings hold terminal "
+        "escapes (the run replaced by such a result), on a terminal",
+        _cli_terminal(lambda ctx: ["mismatch"], terminal=True, report=_hostile_report),
+        Succeeds("no control character reached the terminal; shown escaped: \\x1b[2J, \\x1b[5m"))
     add("cli-save-capture-over-existing", CLI, "`--save-capture out.pt` over a mode-600 out.pt, beside an unrelated "
         "out.pt.tmp", _save_capture(_capture_over_existing),
         Succeeds("out.pt mode 600, the capture; out.pt.tmp mode 644, untouched"))
