@@ -194,7 +194,14 @@ def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     the opaque op (other modules, e.g. PEFT's LoRA layers, are called as they are)."""
     if (torch.compiler.is_compiling() and type(module) is torch.nn.Linear and module.bias is not None
             and module.bias.requires_grad):
-        return linear_op(x, module.weight, module.bias)
+        w, b = module.weight, module.bias
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            # Autocast does not reach inside a custom op: cast as it casts F.linear (every operand to its
+            # dtype), outside, so that the casts' gradients take the FP32 master weights' dtype back.
+            dt = torch.get_autocast_dtype(dev)
+            x, w, b = x.to(dt), w.to(dt), b.to(dt)
+        return linear_op(x, w, b)
     return module(x)
 
 

@@ -186,9 +186,10 @@ def test_fsdp2_mixed_precision_over_fp32_master_weights_gives_the_bf16_models_bi
 # states: transformers' lazily installed capture hooks once broke that graph): a StackNotCompiled
 # warning fails the test.
 @pytest.mark.filterwarnings("error::emulator.errors.StackNotCompiled")
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # qwen2: biased q/k/v projections (an opaque op when traced)
 @pytest.mark.parametrize("exact", [False, True], ids=["regions", "exact"])
-def test_exact_mode_and_torch_compile_under_autocast_compute_the_bf16_models_bits(exact):
-    master, ref = master_and_bf16("qwen3")
+def test_exact_mode_and_torch_compile_under_autocast_compute_the_bf16_models_bits(exact, family):
+    master, ref = master_and_bf16(family)
     master.train(), ref.train()
     ids = tiny_inputs(ref, 12, batch=2, seed=3)
     with emulator.apply_profile(ref, INSITU, skip_native=False, exact=exact):
