@@ -72,9 +72,29 @@ class Report:
 
 
 def trainer_profile_name() -> str:
+    """The shipped profile of the trainer (HF transformers, eager, BF16, CPU) of the installed
+    transformers version, else of the nearest version with one (the same rule as choosing by engine
+    name: engineprofiles.select), so that an engine environment with another transformers still runs."""
     import transformers
 
-    return f"transformers-{transformers.__version__}-cpu-eager-bfloat16"
+    from engineprofiles import store
+    from engineprofiles.machine import this_machine
+    from engineprofiles.select import Wanted, select
+
+    here = this_machine()
+    wanted = Wanted(engine="transformers", dtype="bfloat16", device="cpu", capability=here.capability,
+                    installed=transformers.__version__, machine=here)
+    return select([c for _, c in store.candidates()[0]], wanted).name
+
+
+def trainer_warnings(tname: str) -> list[str]:
+    """What a report says when the trainer's transformers has no shipped profile of its own."""
+    import transformers
+
+    if tname.startswith(f"transformers-{transformers.__version__}-"):
+        return []
+    return [f"the trainer is transformers {transformers.__version__}, which has no shipped profile; the trainer rows "
+            f"use {tname}, the nearest version's"]
 
 
 def default_profile_name(engine: str, version: str, mode: str = "default") -> str:
@@ -497,6 +517,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     prof_name, prof, warnings = engine_profile(engine, cap, profile, capture_file=capture_file, mode=mode, exact=exact)
     tname = trainer_profile_name()
     trainer = get_profile(tname)
+    warnings += trainer_warnings(tname)
     if exact:
         warnings += check_machine(eng, prof, allow_other_machine)
     report = Report(engine=eng, family=family, profile_name=prof_name, trainer_profile_name=tname, warnings=warnings,

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from engineprofiles.errors import EngineProfilesError
 from engineprofiles.schema import Profile, SelfCheck
 
 # vLLM's and SGLang's CPU attention kernels take these head sizes; SGLang wants MLP widths in multiples of 32.
@@ -51,8 +52,12 @@ def self_check(engine: str, profile: Profile, family: str, *, seed: int, env: st
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "fitted.yaml"
         profile.save(path)
-        rep = run_mismatch(engine, family=family, profile=str(path), prompts=2, max_tokens=12, seed=seed + 1,
-                           env=env, mode=mode, exact=True, size=size, prompt_len=prompt_len, note=note)
+        try:
+            rep = run_mismatch(engine, family=family, profile=str(path), prompts=2, max_tokens=12, seed=seed + 1,
+                               env=env, mode=mode, exact=True, size=size, prompt_len=prompt_len, note=note)
+        except EngineProfilesError as e:  # the fit stands on its own: keep it, without a self-check, and say why
+            note(f"self-check failed, the profile records none: {e}")
+            return profile
     rows = {n: m for n, m in rep.rows if n.startswith("exact")}
     pre = {n: m for n, m in rep.prefill_rows if n.startswith("exact")}
     check = SelfCheck(model=describe(family, size) + f", prompts of {prompt_len}+ tokens", seed=seed + 1,
@@ -69,4 +74,4 @@ def self_check_summary(sc: Any) -> str:
     """One line for the probe's output."""
     best = max(sc.sampled.values(), default=0.0)
     return (f"self-check ({sc.model}): sampled {best:.2%} of {sc.sampled_tokens} tokens (best exact row), "
-            f"prefill {sc.prefill.get('exact', 0.0):.2%} of {sc.prefill_tokens}")
+            f"prefill {max(sc.prefill.values(), default=0.0):.2%} of {sc.prefill_tokens} (best exact row)")

@@ -164,10 +164,10 @@ class SelfCheck(StrictModel):
 
     @property
     def exact(self) -> bool:
-        """Whether the trainer rows a user is told to use matched every token: the best sampled row
-        (decoded, or one forward as sampled) and the plain prefill re-score."""
-        return (max(self.sampled.values(), default=0.0) == 1.0
-                and self.prefill.get("exact", 0.0) == 1.0)
+        """Whether some way a user is told to score the tokens matched every one: the best sampled row
+        (one forward as sampled, decoded as the engine decoded, through the engine's log-prob formula)
+        and the best prefill row (the plain re-score, or through the engine's log-prob formula)."""
+        return max(self.sampled.values(), default=0.0) == 1.0 and max(self.prefill.values(), default=0.0) == 1.0
 
     def rows(self) -> str:
         """Every row's rate, for messages."""
