@@ -630,7 +630,7 @@ def _check_cuda(device: str) -> None:
             raise EngineProfilesError(
                 f"--device {device}: torch {torch.__version__} in {sys.executable} sees "
                 f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA device(s); probe on a GPU "
-                "machine with a CUDA build (README: Probing CUDA builds on a GPU machine), or use --device cpu"
+                "machine with a CUDA build (docs/probing.md: Probing CUDA builds on a GPU machine), or use --device cpu"
             )
 
 

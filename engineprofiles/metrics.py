@@ -4,7 +4,7 @@ All take per-token log-probabilities of the sampled tokens under the engine (the
 under the trainer. :func:`mismatch` takes 1-D tensors of equal length (concatenate sequences;
 padding removed); :func:`rollout_corr` takes a padded ``[batch, seq]`` batch with its mask, or 1-D
 tensors with the sequences' lengths, and returns verl's ``rollout_corr/*`` metrics as a dict of
-floats (the monitor to call in a training loop; README: "Monitoring the mismatch in training").
+floats (the monitor to call in a training loop; docs/monitoring.md).
 """
 
 from __future__ import annotations

@@ -45,6 +45,10 @@ def profile_header(p: Profile, name: str | None = None) -> Text:
     t.append(printable(f"probed   {pv.date}  method={pv.method}  probe v{pv.probe_version} "
                        f"(package {pv.package_version})\n"))
     t.append(printable(f"command  {pv.command}"))
+    if pv.self_check is not None:
+        sc = pv.self_check
+        t.append(printable(f"\nself-check {'exact' if sc.exact else 'NOT exact'} on {sc.model} ({sc.sampled_tokens} sampled, "
+                           f"{sc.prefill_tokens} prefill tokens): {sc.rows()}"))
     return t
 
 
