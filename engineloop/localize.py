@@ -325,7 +325,7 @@ def _run(model, capture, prof: Profile | None, exact: bool) -> list[TensorMatch]
     # when the profile does not describe this machine (then exact mode's bits are not claimed).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MachineMismatch)
-        handle = apply_profile(model, prof, exact=exact, allow_other_machine=True) if prof is not None else None
+        handle = apply_profile(model, prof, exact=exact, allow_other_machine=exact) if prof is not None else None
     try:
         return compare_tensors(model, capture)
     finally:

@@ -543,7 +543,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     for label, p, ex in variants:
         note(f"trainer: {label}")
         handle = apply_profile(model, p, exact=ex, kv_split=kv_split if ex else None,
-                               allow_other_machine=allow_other_machine) if p is not None else None
+                               allow_other_machine=allow_other_machine and ex) if p is not None else None
         try:
             samp, full = zip(*(sequence_logprobs(model, s) for s in seqs))
         finally:

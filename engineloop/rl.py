@@ -181,7 +181,7 @@ def run_demo(engine: str = "vllm", *, family: str = "qwen2", steps: int = 8, pro
                 for name, setup in setups.items():
                     split = kv_split if setup and setup[1] else None
                     handle = apply_profile(model, setup[0], exact=setup[1], kv_split=split,
-                                           allow_other_machine=bool(res.other_machine)) if setup else None
+                                           allow_other_machine=bool(res.other_machine) and setup[1]) if setup else None
                     try:
                         train_now = name == train_with
                         # the rows are the engine's batch, in the order it was given them (prompt-major)

@@ -351,6 +351,9 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
                              f"got {type(kv_split).__name__}")
         if not exact:
             raise InputError("apply_profile: kv_split is part of exact mode's attention; pass exact=True with it")
+    if allow_other_machine and not exact:
+        raise InputError("apply_profile: allow_other_machine concerns exact mode's claim on this machine; pass "
+                         "exact=True with it (the regions alone make no claim about the machine)")
     if not isinstance(model, torch.nn.Module):
         raise UnsupportedModel(
             f"apply_profile patches a model (a torch.nn.Module: a HF transformers {families_text()}); "

@@ -218,6 +218,11 @@ def patch_family(family: str, profile: Any = None, *, skip_native: bool = True, 
     :data:`~emulator.patching.families.FAMILIES`."""
     if family not in FAMILIES:
         raise UnsupportedModel(f"no model family {family!r}; supported: {families_text()}")
+    if allow_other_machine and not exact:
+        from ..errors import InputError
+
+        raise InputError("patch_family: allow_other_machine concerns exact mode's claim on this machine; pass "
+                         "exact=True with it")
     patch = ClassPatch(family, profile, dict(skip_native=skip_native, exact=exact, record=record,
                                              allow_other_machine=allow_other_machine))
     base, classes = _family_classes(family)

@@ -218,8 +218,11 @@ def test_exact_mode_refuses_a_profile_of_another_machine_and_changes_nothing(cha
     with pytest.warns(MachineMismatch, match=named):
         h = emulator.apply_profile(model, prof, exact=True, allow_other_machine=True)
     h.remove()
-    # the regions alone make no claim about the machine's attention or GEMMs: no refusal
+    # the regions alone make no claim about the machine's attention or GEMMs: no refusal, and no override
     emulator.apply_profile(model, prof).remove()
+    with pytest.raises(InputError, match="pass exact=True with it"):
+        emulator.apply_profile(model, prof, allow_other_machine=True)
+    assert emulator.handle_of(model) is None
 
 
 def test_exact_mode_takes_the_profile_of_this_machine_without_a_word():
@@ -250,6 +253,8 @@ def test_a_class_patch_passes_the_machine_rule_on(tmp_path):
         with pytest.warns(MachineMismatch):
             m = Qwen2ForCausalLM(cfg)
     assert emulator.handle_of(m) is not None
+    with pytest.raises(InputError, match="pass exact=True with it"):
+        emulator.patch_qwen2(prof, allow_other_machine=True)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "mistral"])
