@@ -413,7 +413,7 @@ def mismatch(
     # Everything that can be checked is checked before the engine runs (minutes).
     try:
         _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out,
-                            plot=plot, profile=profile)
+                            plot=plot, profile=profile, seed=seed)
         if rope_scaling is not None:
             from engineprofiles.names import check_rope_scaling_name
 
@@ -424,12 +424,11 @@ def mismatch(
         require("insitu", "probe-engine mismatch (the trainer side: HF models patched by the emulator)")
         if allow_other_machine and not exact:
             raise EngineProfilesError("--allow-other-machine concerns the exact rows: pass it with --exact")
-        if exact and profile is not None and capture is None:  # the trainer's machine, before the engine runs
-            from engineprofiles.store import get_profile
-
+        prof = _check_profile_option(profile, engine, exact=exact, capture=capture)
+        if exact and prof is not None and capture is None:  # the trainer's machine, before the engine runs
             from .mismatch import check_machine
 
-            check_machine(None, get_profile(profile), allow_other_machine)
+            check_machine(None, prof, allow_other_machine)
     except EngineProfilesError as e:
         _fail(e)
     from .mismatch import run_mismatch
@@ -466,7 +465,7 @@ def _size(layers, hidden, intermediate, heads, kv_heads, head_dim) -> dict[str, 
 
 
 def _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out,
-                        plot=None, profile=None) -> None:
+                        plot=None, profile=None, seed=0) -> None:
     """The options of the engine-in-the-loop commands that need no engine: checked before it starts; the
     outputs together (runner.check_outputs): none of them the capture or profile file read, two outputs never
     one file, '-' (stdout) for one of them at most."""
@@ -482,12 +481,46 @@ def _check_loop_options(family, size, capture, save_capture, prompts, max_tokens
         raise EngineProfilesError("--save-capture keeps a new capture; with --capture there is none to keep")
     if prompt_len < 1 or prompts < 1 or max_tokens < 1:
         raise EngineProfilesError("--prompts, --max-tokens and --prompt-len must be positive")
+    _check_seed(seed)
     if mode not in ("default", "compiled", "eager"):
         raise EngineProfilesError(f"--mode must be default, compiled or eager; got {mode!r}")
     if save_capture == "-":
         raise EngineProfilesError("--save-capture takes a file (a capture is kept for --capture), not '-'")
     runner.check_outputs([("--json", json_out), ("--plot", plot), ("--save-capture", save_capture)],
                          [("the --capture file", capture), ("the --profile file", _profile_file(profile))])
+
+
+SEED_MAX = 2**31 - 1  # what every seed the tools pass on takes (the engines' samplers, numpy's legacy seed: < 2**32)
+
+
+def _check_seed(seed: int) -> None:
+    if not 0 <= seed <= SEED_MAX:
+        shown = str(seed) if len(str(seed)) <= 40 else f"{str(seed)[:20]}... ({len(str(seed))} digits)"
+        raise EngineProfilesError(f"--seed must be an integer from 0 to {SEED_MAX}; got {shown}")
+
+
+def _check_profile_option(profile: Optional[str], engine: str, *, exact: bool, capture: Optional[str]):
+    """--profile of mismatch and localize, resolved and loaded before any engine or trainer work (a
+    spec such as ``vllm==`` that names no engine and no file, a missing or invalid file, an engine with
+    no fitting shipped profile: refused now, not after the engine ran for minutes); with exact mode and
+    no capture, the profile must be the engine's (exact mode reproduces the engine whose profile it
+    applies; with a capture, engine_profile checks it against the capture's engine before any trainer
+    row). The Profile, or None without --profile."""
+    if profile is None:
+        return None
+    import warnings
+
+    from engineprofiles.store import get_profile
+
+    with warnings.catch_warnings():  # the run chooses the same profile again, and warns then
+        warnings.simplefilter("ignore")
+        prof = get_profile(profile)
+    if exact and capture is None and prof.engine.name != engine:
+        raise EngineProfilesError(
+            f"--exact: --profile {profile} is a profile of {prof.engine.name} ({prof.canonical_name}), but the engine "
+            f"that samples is {engine}: exact mode reproduces the engine its profile describes; pass a {engine} "
+            "profile")
+    return prof
 
 
 @app.command()
@@ -537,7 +570,7 @@ def localize(
     size = _size(layers, hidden, intermediate, heads, kv_heads, head_dim)
     try:
         _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out,
-                            profile=profile)
+                            profile=profile, seed=seed)
         from .localize import TRAINERS
 
         bad = [t for t in trainer if t not in TRAINERS]
@@ -548,6 +581,7 @@ def localize(
 
             check_rope_scaling_name(rope_scaling)
         require("insitu", "probe-engine localize (the trainer side: HF models patched by the emulator)")
+        _check_profile_option(profile, engine, exact="exact" in trainer, capture=capture)
     except EngineProfilesError as e:
         _fail(e)
     from .localize import run_localize
@@ -645,6 +679,7 @@ def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str
 
     try:
         _check_arguments(engine, device, dtype, mode, model or "qwen2", region)
+        _check_seed(seed)
         target, is_dir = runner.output_path(output, ship, [("the --apply profile", _profile_file(apply))])
         if not runner.engine_importable(engine) and not os.environ.get("ENGINEPROFILES_REEXEC"):
             python = runner.find_engine_python(engine, env)
@@ -864,6 +899,7 @@ def _engine_command(engine: str):
         try:
             for f in family or ["qwen3"]:
                 _check_arguments(engine, device, dtype, mode, f, region)
+            _check_seed(seed)
             if rope_scaling is not None:
                 from engineprofiles.names import check_rope_scaling_name
 

@@ -107,6 +107,8 @@ def resolve(name_or_path: str | os.PathLike[str]) -> Path:
     spelled = engine_version_hint(str(name_or_path))
     if spelled:
         hint += f"; to choose a profile by engine and version, write {spelled!r}"
+    elif "==" in str(name_or_path) or str(name_or_path).endswith(":"):  # an engine spec missing a part
+        hint += "; to choose a profile by engine, write ENGINE[==VERSION][:MODE], e.g. vllm==0.32.0 or vllm:eager"
     raise ProfileNotFound(f"no profile file or shipped profile named {str(name_or_path)!r}; {hint}")
 
 

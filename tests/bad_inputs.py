@@ -1346,6 +1346,29 @@ def _cases() -> list[Case]:
         "escapes (the run replaced by such a result), on a terminal",
         _cli_terminal(lambda ctx: ["mismatch"], terminal=True, report=_hostile_report),
         Succeeds("no control character reached the terminal; shown escaped: \\x1b[2J, \\x1b[5m"))
+    # every option checked before any engine or trainer work
+    add("cli-mismatch-bad-profile-spec", CLI, "`mismatch vllm --mode eager --profile 'vllm=='` (an engine spec without "
+        "its version; refused before the engine runs)",
+        _cli(lambda ctx: ["mismatch", "vllm", "--mode", "eager", "--profile", "vllm=="]),
+        CliExit(2, "write ENGINE[==VERSION][:MODE]"))
+    add("cli-localize-bad-profile-spec", CLI, "`localize --profile 'vllm=='` (refused before the engine runs)",
+        _cli(lambda ctx: ["localize", "--profile", "vllm=="]), CliExit(2, "no profile file or shipped profile named"))
+    add("cli-mismatch-invalid-profile-file", CLI, "`mismatch --profile p.yaml` of a profile with an unknown key "
+        "(refused before the engine runs)",
+        _cli(lambda ctx: ["mismatch", "--profile", str(_write(ctx, "p.yaml", _mutated(lambda d: d.update(extra=1))))]),
+        CliExit(2, "unknown key 'extra'"))
+    add("cli-mismatch-exact-other-engine-profile", CLI, "`mismatch vllm --exact --profile` an SGLang profile (refused "
+        "before the engine runs)",
+        _cli(lambda ctx: ["mismatch", "vllm", "--exact", "--profile", str(_write(ctx, "sglang.yaml", _mutated(
+            lambda d: d["engine"].update(name="sglang"))))]), CliExit(2, "but the engine that samples is vllm"))
+    add("cli-mismatch-seed-too-large", CLI, "`mismatch --seed 99999999999999999999999` (refused before the engine runs)",
+        _cli(lambda ctx: ["mismatch", "--seed", "99999999999999999999999"]),
+        CliExit(2, "--seed must be an integer from 0 to 2147483647"))
+    add("cli-localize-seed-negative", CLI, "`localize --seed -1`",
+        _cli(lambda ctx: ["localize", "--seed", "-1"]), CliExit(2, "--seed must be an integer from 0 to 2147483647"))
+    add("cli-probe-seed-too-large", CLI, "`transformers --quick --seed 99999999999999999999999`",
+        _cli(lambda ctx: ["transformers", "--quick", "--seed", "99999999999999999999999", "-o", str(ctx.work / "p.yaml")]),
+        CliExit(2, "--seed must be an integer from 0 to 2147483647"))
     add("cli-save-capture-over-existing", CLI, "`--save-capture out.pt` over a mode-600 out.pt, beside an unrelated "
         "out.pt.tmp", _save_capture(_capture_over_existing),
         Succeeds("out.pt mode 600, the capture; out.pt.tmp mode 644, untouched"))
