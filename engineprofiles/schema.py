@@ -41,6 +41,9 @@ NAME_PATTERN = f"^{SAFE_NAME}$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 Rate = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0)]
+Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]  # a torch.Generator's seed (probe-engine takes 0 .. 2**31 - 1)
+# Settings that become part of the canonical name (and so of a file name): a plain name, never a list or a path.
+NAMED_SETTINGS = ("cpu_capability",)
 
 
 def _iso_time(v: str) -> str:
@@ -65,6 +68,19 @@ class EngineInfo(StrictModel):
     torch_version: str
     execution_mode: Name = Field(description="how the engine ran the regions: eager, inductor, custom-op, ...")
     settings: dict[str, SettingValue] = Field(default_factory=dict, description="engine settings that affect numerics")
+
+    @model_validator(mode="after")
+    def _named_settings(self) -> "EngineInfo":
+        import re
+
+        for key in NAMED_SETTINGS:
+            v = self.settings.get(key)
+            if v is not None and not (isinstance(v, str) and re.fullmatch(SAFE_NAME, v)):
+                raise ValueError(
+                    f"settings.{key} must be a plain name (letters, digits and . _ + -, starting with a letter or digit, "
+                    f"at most 64 characters; it becomes part of the profile's name and file name), got "
+                    f"{safeyaml.short(v)}")
+        return self
 
 
 class ShapeResult(StrictModel):
@@ -156,7 +172,7 @@ class SelfCheck(StrictModel):
     ``probe-engine mismatch --exact``, the fraction of tokens whose log-prob equals the engine's."""
 
     model: str = Field(description="the model the engine and the trainer ran: family and widths")
-    seed: int
+    seed: Seed
     sampled_tokens: Count
     prefill_tokens: Count
     sampled: dict[str, Rate] = Field(description="exact rows over the sampled tokens: row -> exact-match fraction")
@@ -182,7 +198,7 @@ class Provenance(StrictModel):
     method: Literal["op-level", "in-situ", "synthetic"]
     command: str
     host: Optional[str] = None
-    seed: Optional[int] = None
+    seed: Optional[Seed] = None
     duration_s: Optional[Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = None
     # Added after schema version 5 without a version bump: optional, absent in older files.
     self_check: Optional[SelfCheck] = Field(
@@ -332,6 +348,8 @@ def _format_error(err: dict[str, Any]) -> tuple[str, str]:
             return field, f"missing site {loc[2]!r} of {loc[0]}"
         return field, "required field is missing"
     got = err.get("input")
+    if kind == "value_error":  # a model's own check: its message says what it got
+        return field, str(err["msg"]).removeprefix("Value error, ")
     if kind == "string_pattern_mismatch":
         return field, (
             f"must be a plain name (letters, digits and . _ + -, starting with a letter or digit, at most 64 "
@@ -349,9 +367,10 @@ def profile_from_data(data: Any, source: str = "<profile>") -> Profile:
     version = data.get("schema_version")
     if version is None:
         raise ProfileError("missing schema_version", source=source, field="schema_version")
-    if version not in SUPPORTED_SCHEMA_VERSIONS or isinstance(version, bool):
+    # An integer, as written (2.0 == 2 in Python, but the schema's integers are strict: 5.0 was refused, 2.0 not).
+    if type(version) is not int or version not in SUPPORTED_SCHEMA_VERSIONS:
         raise ProfileError(
-            f"schema version {safeyaml.short(version)} is not supported by this engineprofiles (supports "
+            f"schema version {safeyaml.short(version)} is not supported by this engineprofiles (supports the integers "
             f"{', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}); upgrade engineprofiles or re-probe",
             source=source,
             field="schema_version",

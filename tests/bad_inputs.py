@@ -938,6 +938,33 @@ def _profile_obj(ctx: Ctx) -> Any:
     return synthetic_profile()
 
 
+def _apply_recorded(tamper: Callable[[dict], None]) -> Callable[[Ctx], Result]:
+    """apply_recorded_profile(model) of a model whose config.emulator_profile (a record apply_profile(...,
+    record=True) wrote) was changed by ``tamper``; a refusal leaves the model untouched."""
+
+    def run(ctx: Ctx) -> Result:
+        model = tiny_model("qwen2", seed=1)
+        handle = emulator.apply_profile(model, synthetic_profile(), record=True)
+        rec = dict(model.config.emulator_profile)
+        handle.remove()
+        tamper(rec)
+        model.config.emulator_profile = rec
+        ids = tiny_inputs(model, 8, seed=2)
+        before, logits = model_state(model), _logits(model, ids)
+        got, r = _call(lambda: emulator.apply_recorded_profile(model))
+        if got is not None:
+            r.detail = repr(got)
+            got.remove()
+        r.damage, r.checked = model_damage(model, before, ids, logits), MODEL_UNCHANGED
+        return r
+
+    return run
+
+
+def _settings(**kw: Any) -> Callable[[dict], None]:
+    return lambda d: d["engine"].setdefault("settings", {}).update(kw)
+
+
 def _double_apply(ctx: Ctx) -> Result:
     model = tiny_model("qwen2", seed=1)
     ids = tiny_inputs(model, 8, seed=2)
@@ -1186,6 +1213,21 @@ def _cases() -> list[Case]:
     add("file-version-string", PF, "schema_version as a string ('2')",
         _load(lambda ctx: _write(ctx, "p.yaml", _mutated(lambda d: d.update(schema_version="2")))),
         Raises(ProfileError, "not supported"))
+    add("file-version-float", PF, "schema_version as a float (2.0; 5.0 was refused, 2.0 read as 2)",
+        _load(lambda ctx: _write(ctx, "p.yaml", good_yaml().replace("schema_version: 5", "schema_version: 2.0"))),
+        Raises(ProfileError, "not supported"))
+    add("file-cpu-capability-list", PF, "engine.settings.cpu_capability a list ([AVX512, '../../x y']; it becomes part "
+        "of the profile's name)", _load(_file("p.yaml", _mutated(_settings(cpu_capability=["AVX512", "../../x y"])))),
+        Raises(ProfileError, "settings.cpu_capability must be a plain name"))
+    add("file-cpu-capability-path", PF, "engine.settings.cpu_capability '../x y' (a path, a space)",
+        _load(_file("p.yaml", _mutated(_settings(cpu_capability="../x y")))),
+        Raises(ProfileError, "settings.cpu_capability must be a plain name"))
+    add("file-seed-huge", PF, "provenance.seed 10**30",
+        _load(_file("p.yaml", _mutated(lambda d: d["provenance"].update(seed=10**30)))),
+        Raises(ProfileError, "provenance.seed: Input should be less than or equal to 9223372036854775807"))
+    add("file-seed-float", PF, "provenance.seed 1.0e+30 (a float)",
+        _load(_file("p.yaml", _mutated(lambda d: d["provenance"].update(seed=1e30)))),
+        Raises(ProfileError, "provenance.seed: Input should be a valid integer"))
     add("file-duplicate-key", PF, "a duplicate key (dtype twice)",
         _load(lambda ctx: _write(ctx, "p.yaml", good_yaml() + "dtype: float16\n")), Raises(ProfileError, "duplicate key"))
     add("file-directory", PF, "a folder where the profile file should be", _load(_folder),
@@ -1423,6 +1465,10 @@ def _cases() -> list[Case]:
         _apply(_qwen2(), prof, kv_split=2), Raises(InputError, "kv_split is part of exact mode's attention"))
     add("apply-kv-split-zero-threads", AP, "kv_split=0 threads",
         _apply(_qwen2(), prof, exact=True, kv_split=0), Raises(InputError, "a positive integer"))
+    add("apply-recorded-name-contradicts", AP, "apply_recorded_profile of a config record whose name is not its "
+        "profile's (vllm-0.32.0-cpu-eager-bfloat16 over a synthetic profile's YAML)",
+        _apply_recorded(lambda rec: rec.update(name="vllm-0.32.0-cpu-eager-bfloat16")),
+        Raises(ProfileError, "the record names its profile 'vllm-0.32.0-cpu-eager-bfloat16'"))
     add("apply-exact-padding-row", AP, "exact=True on a batch with a row that is padding only (attention_mask[1] = 0)",
         _exact_padding_row, Succeeds("rows 0 and 2 bit for bit those of the batch without row 1"))
 

@@ -115,7 +115,15 @@ def recorded_profile(model_or_config: Any) -> tuple[Profile, dict[str, Any]] | N
         except (TypeError, ValueError) as e:
             raise ProfileError(f"kv_split must be a KVSplit's fields (threads, ...): {e}", source=source,
                                field="kv_split") from None
-    return profile_from_yaml(rec["profile"], source), options
+    profile = profile_from_yaml(rec["profile"], source)
+    name = rec.get("name")  # what record() wrote: the profile's canonical name, which the YAML decides
+    if name is not None and name != profile.canonical_name:
+        from engineprofiles.safeyaml import short
+
+        raise ProfileError(f"the record names its profile {short(name)}, but the profile it holds is "
+                           f"{profile.canonical_name}: the record was edited by hand or put together from two; record "
+                           "the profile again (apply_profile(model, profile, record=True))", source=source, field="name")
+    return profile, options
 
 
 def apply_recorded_profile(model: torch.nn.Module, **options: Any) -> PatchHandle:
