@@ -426,6 +426,11 @@ def engine_profile(engine: str, cap: dict[str, Any], profile: str | None, *, cap
         raise EngineProfilesError(f"no shipped profile {prof_name} for {engine} {eng['version']}; pass --profile")
     prof = get_profile(prof_name)
     warnings = []
+    if exact and prof.engine.name != eng["name"]:  # before any trainer row: exact mode reproduces its profile's engine
+        raise EngineProfilesError(
+            f"--exact: profile {prof_name} is a profile of {prof.engine.name}, but the "
+            f"{'capture ' + str(capture_file) if capture_file else 'capture'} comes from {eng['name']} {eng['version']}: "
+            f"exact mode reproduces the engine its profile describes; pass a {eng['name']} profile")
     if prof.engine.name != eng["name"] or prof.engine.version != eng["version"]:
         warnings.append(
             f"profile {prof_name} is from {prof.engine.name} {prof.engine.version}, "

@@ -144,8 +144,14 @@ def _check_expansion(root: Node) -> None:
         stack.extend((c, False) for c in _children(node))
 
 
-def load(text: str) -> Any:
-    """Parse ``text`` with :class:`StrictLoader` (errors: ``yaml.YAMLError``, :class:`Refused`)."""
+def load(text: str, max_bytes: int = MAX_FILE_BYTES) -> Any:
+    """Parse ``text`` with :class:`StrictLoader` (errors: ``yaml.YAMLError``, :class:`Refused`); text of
+    more than ``max_bytes`` (UTF-8) is refused as too large, as a file of that size is (:func:`read_text`)
+    and before the alias check could take it for an alias bomb."""
+    size = len(text.encode("utf-8", "surrogatepass")) if len(text) * 4 > max_bytes else len(text)
+    if size > max_bytes:
+        raise Refused(f"the text is {size} bytes, larger than the limit of {max_bytes} bytes; a profile is a small "
+                      "YAML text (the shipped ones ~10 KB)")
     try:
         return yaml.load(text, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except RecursionError:

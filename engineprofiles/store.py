@@ -89,6 +89,9 @@ def _is_file(p: Path, text: object) -> bool:
 def resolve(name_or_path: str | os.PathLike[str]) -> Path:
     """A path to an existing file, or the file of a shipped profile named ``name_or_path``."""
     _check_kind(name_or_path)
+    if not str(os.fspath(name_or_path)).strip():  # Path('') is '.', a folder: say what is wrong instead
+        raise ProfileNotFound(f"the profile name is empty ({str(os.fspath(name_or_path))!r}); give a profile file's path, "
+                              "a shipped profile's name or ENGINE[==VERSION][:MODE]")
     p = Path(name_or_path)
     if _is_file(p, name_or_path):
         return p

@@ -63,6 +63,8 @@ from engineprofiles.regions import (  # noqa: E402
 from engineprofiles.schema import make_profile  # noqa: E402
 from engineprofiles.store import ENV_VAR, get_profile  # noqa: E402
 
+from engineloop.mismatch import run_mismatch as _RUN_MISMATCH  # noqa: E402  (the real one: _no_engines replaces it)
+
 from .conftest import synthetic_profile  # noqa: E402
 from .emulator.helpers import activations, assert_same_bits, model_state  # noqa: E402
 
@@ -961,6 +963,30 @@ def _apply_recorded(tamper: Callable[[dict], None]) -> Callable[[Ctx], Result]:
     return run
 
 
+def _mismatch_trainer_rows(args: Callable[[Ctx], list[str]], cap: dict) -> Callable[[Ctx], Result]:
+    """``probe-engine ARGS`` (as :func:`_cli`) with the real run_mismatch, the tiny model and ``cap`` given
+    as the capture (engineloop.mismatch.model_and_capture stubbed), and every trainer row failing the case:
+    what the command refuses must be refused before the trainer runs."""
+
+    def run(ctx: Ctx) -> Result:
+        from engineloop import mismatch as M
+
+        def no_rows(*a: Any, **k: Any) -> Any:
+            raise AssertionError("bad-input sweep: a trainer row ran before the refusal")
+
+        with mock.patch.object(M, "run_mismatch", _RUN_MISMATCH), mock.patch.object(M, "sequence_logprobs", no_rows), \
+                mock.patch.object(M, "model_and_capture", lambda *a, **k: (tiny_model("qwen2", seed=0), dict(cap))):
+            return _cli(args)(ctx)
+
+    return run
+
+
+VLLM_CAPTURE = {"engine": {"name": "vllm", "version": "0.32.0", "mode": "default",
+                           "attention": {"split_kv": True, "torch_threads": 4, "isa": "vec"}},
+                "sequences": [{"prompt": [1, 2, 3], "completion": [4], "sample_logprobs": [-1.0],
+                               "prompt_logprobs": [None, -1.0, -1.0]}]}
+
+
 def _settings(**kw: Any) -> Callable[[dict], None]:
     return lambda d: d["engine"].setdefault("settings", {}).update(kw)
 
@@ -1411,6 +1437,14 @@ def _cases() -> list[Case]:
     add("cli-probe-seed-too-large", CLI, "`transformers --quick --seed 99999999999999999999999`",
         _cli(lambda ctx: ["transformers", "--quick", "--seed", "99999999999999999999999", "-o", str(ctx.work / "p.yaml")]),
         CliExit(2, "--seed must be an integer from 0 to 2147483647"))
+    add("cli-show-empty-name", CLI, "`show ''` ('' was called a folder)", _cli(lambda ctx: ["show", ""]),
+        CliExit(2, "the profile name is empty"))
+    add("cli-mismatch-exact-capture-other-engine", CLI, "`mismatch --capture <a vLLM capture> --exact --profile` an "
+        "SGLang profile (refused before any trainer row, naming the engines; it complained of a kv_split after them)",
+        _mismatch_trainer_rows(lambda ctx: ["mismatch", "--capture", str(_write(ctx, "c.pt", "a capture\n")), "--exact",
+                                            "--profile", str(_write(ctx, "sglang.yaml", _mutated(
+                                                lambda d: d["engine"].update(name="sglang"))))], VLLM_CAPTURE),
+        CliExit(2, "is a profile of sglang, but the capture <tmp>/c.pt comes from vllm 0.32.0"))
     add("cli-save-capture-over-existing", CLI, "`--save-capture out.pt` over a mode-600 out.pt, beside an unrelated "
         "out.pt.tmp", _save_capture(_capture_over_existing),
         Succeeds("out.pt mode 600, the capture; out.pt.tmp mode 644, untouched"))
@@ -1469,6 +1503,16 @@ def _cases() -> list[Case]:
         "profile's (vllm-0.32.0-cpu-eager-bfloat16 over a synthetic profile's YAML)",
         _apply_recorded(lambda rec: rec.update(name="vllm-0.32.0-cpu-eager-bfloat16")),
         Raises(ProfileError, "the record names its profile 'vllm-0.32.0-cpu-eager-bfloat16'"))
+    add("apply-profile-empty-name", AP, "an empty string as the profile ('' was called a folder)",
+        _apply(_qwen2(), lambda ctx: ""), Raises(ProfileNotFound, "the profile name is empty"))
+    add("apply-recorded-too-large", AP, "apply_recorded_profile of a config record whose profile YAML is 5 MB (a "
+        "valid profile and a long comment: too large, not an alias bomb)",
+        _apply_recorded(lambda rec: rec.update(profile=rec["profile"] + "# " + "x" * (5 << 20) + "\n")),
+        Raises(ProfileError, "larger than the limit of 1048576 bytes"))
+    add("apply-recorded-kv-split-not-exact", AP, "apply_recorded_profile of a config record with exact: false and a "
+        "kv_split (edited by hand)",
+        _apply_recorded(lambda rec: rec.update(exact=False, kv_split={"threads": 4})),
+        Raises(ProfileError, "Qwen2Config.emulator_profile: kv_split: kv_split is recorded with exact: false"))
     add("apply-exact-padding-row", AP, "exact=True on a batch with a row that is padding only (attention_mask[1] = 0)",
         _exact_padding_row, Succeeds("rows 0 and 2 bit for bit those of the batch without row 1"))
 

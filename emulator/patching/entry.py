@@ -115,6 +115,10 @@ def recorded_profile(model_or_config: Any) -> tuple[Profile, dict[str, Any]] | N
         except (TypeError, ValueError) as e:
             raise ProfileError(f"kv_split must be a KVSplit's fields (threads, ...): {e}", source=source,
                                field="kv_split") from None
+        if not options["exact"]:  # what apply_profile would refuse, named here as the record's fault
+            raise ProfileError("kv_split is recorded with exact: false; kv_split is part of exact mode's attention, and "
+                               "a record written by apply_profile(..., record=True) holds it only with exact: true",
+                               source=source, field="kv_split")
     profile = profile_from_yaml(rec["profile"], source)
     name = rec.get("name")  # what record() wrote: the profile's canonical name, which the YAML decides
     if name is not None and name != profile.canonical_name:
