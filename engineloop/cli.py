@@ -124,6 +124,9 @@ def plot(
         where = runner.write_output(output, tables.mismatch_png(rep))
     except EngineProfilesError as e:
         _fail(e)
+    if tables.rows_left_out(rep):
+        _say(err, f"note: the PNG draws the first {tables.MAX_PLOT_ROWS} rows of each panel (the result has "
+                  f"{len(rep.rows)} sampled and {len(rep.prefill_rows)} prefill rows)")
     _say(err, f"wrote {where if where != 'stdout' else 'the PNG to stdout'}")
 
 

@@ -122,6 +122,9 @@ def load_mismatch(path: str):
         raise ArgumentError(f"{path}: not a mismatch result (not UTF-8 text)") from None
     except json.JSONDecodeError as e:
         raise ArgumentError(f"{path}: not a mismatch result (invalid JSON: {e})") from None
+    except RecursionError:
+        raise ArgumentError(f"{path}: not a mismatch result (JSON nested too deep to read; a result nests a few "
+                            "levels)") from None
     if not isinstance(data, dict):
         raise ArgumentError(f"{path}: not a mismatch result (a JSON object written by probe-engine mismatch --json is "
                             f"expected, got a {type(data).__name__})")
@@ -141,20 +144,58 @@ def load_mismatch(path: str):
                 raise ArgumentError(f"{path}: field {where}: missing {', '.join(missing)}")
             bad = [f for f in fields if isinstance(r[f], bool) or not isinstance(r[f], (int, float))]
             if bad:
-                raise ArgumentError(f"{path}: field {where}.{bad[0]}: a number is expected, got {r[bad[0]]!r}")
+                raise ArgumentError(f"{path}: field {where}.{bad[0]}: a number is expected, got {_brief(r[bad[0]])}")
+            for f in fields:  # the values a mismatch can have, not only their types
+                v, what = r[f], _value_problem(f, r[f])
+                if what:
+                    raise ArgumentError(f"{path}: field {where}.{f}: {what}, got {_brief(v)}")
             out.append((r["trainer"], Mismatch(**{f: r[f] for f in fields})))
         return out
+
+    warnings = data.get("warnings")
+    if warnings is not None and (not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings)):
+        raise ArgumentError(f"{path}: field 'warnings': a list of strings is expected, got {_brief(warnings)}")
 
     engine = data.get("engine")
     if not isinstance(engine, dict) or not all(isinstance(engine.get(k), str) for k in ("name", "version")):
         raise ArgumentError(f"{path}: field 'engine': an object with the engine's name and version is expected")
     return Report(engine=engine, family=str(data.get("family", "?")), profile_name=str(data.get("profile", "?")),
                   trainer_profile_name=str(data.get("trainer_profile", "?")),
-                  warnings=[str(w) for w in data.get("warnings") or []], rows=rows("sampled"),
+                  warnings=list(warnings or []), rows=rows("sampled"),
                   prefill_rows=rows("prefill"), model=data.get("model") if isinstance(data.get("model"), dict) else {},
                   prompt_len=data.get("prompt_len", 0), command=str(data.get("command", "")),
                   engine_decode_equals_prefill=data.get("engine_decode_equals_prefill"),
                   batch_check=data.get("batch_check") if isinstance(data.get("batch_check"), dict) else None)
+
+
+def _brief(v) -> str:
+    from engineprofiles.safeyaml import short
+
+    return short(v, 80)
+
+
+def _value_problem(field: str, v) -> str | None:
+    """What is wrong with the value ``v`` of a mismatch row's ``field`` (a number), or None."""
+    import math
+
+    if field == "tokens":
+        return None if isinstance(v, int) and v >= 1 else "a positive whole number of tokens is expected"
+    if not math.isfinite(v):
+        return "a finite number is expected"
+    if field == "exact_match" and not 0.0 <= v <= 1.0:
+        return "a fraction from 0 to 1 is expected"
+    if v < 0:
+        return "a number >= 0 is expected (a mean or maximum of non-negative values)"
+    return None
+
+
+MAX_PLOT_ROWS = 30  # trainer rows drawn per panel: the canvas stays bounded (13 x 26.6 in at most)
+MAX_LABEL = 60  # characters of a trainer label drawn
+
+
+def rows_left_out(rep) -> int:
+    """How many rows of the larger panel :func:`mismatch_png` leaves out (beyond MAX_PLOT_ROWS)."""
+    return max(0, len(rep.rows) - MAX_PLOT_ROWS, len(rep.prefill_rows) - MAX_PLOT_ROWS)
 
 
 def mismatch_plot(rep, path: str) -> None:
@@ -167,19 +208,31 @@ def mismatch_plot(rep, path: str) -> None:
 def mismatch_png(rep) -> bytes:
     """Draw a mismatch report as a PNG (its bytes): one row of panels for the sampled tokens (the engine's decode log-probs) and one for every token
     re-scored in one prefill; exact-match fraction (linear, 0-100%) and k3 KL (log scale; a bit-exact
-    row's 0 is written out, as a log axis cannot show it); each bar labelled with its value."""
-    import io
-    import math
-
+    row's 0 is written out, as a log axis cannot show it); each bar labelled with its value. At most
+    MAX_PLOT_ROWS rows per panel are drawn (the title says how many of how many); every text is drawn
+    literally (a '$' in a label is no mathtext), a label cut to MAX_LABEL characters."""
     check_plot_available()
     import matplotlib
 
     matplotlib.use("Agg")
+    with matplotlib.rc_context({"text.parse_math": False}):
+        return _mismatch_png(rep)
+
+
+def _label(name: str) -> str:
+    return name if len(name) <= MAX_LABEL else name[:MAX_LABEL - 3] + "..."
+
+
+def _mismatch_png(rep) -> bytes:
+    import io
+    import math
+
     import matplotlib.pyplot as plt
 
     panels = [("sampled tokens (engine decode)", rep.rows), ("re-scored in one prefill (engine prompt log-probs)",
                                                              rep.prefill_rows)]
-    panels = [(t, r) for t, r in panels if r]
+    panels = [(t + (f" (the first {MAX_PLOT_ROWS} of {len(r)} rows)" if len(r) > MAX_PLOT_ROWS else ""),
+               [(_label(name), m) for name, m in r[:MAX_PLOT_ROWS]]) for t, r in panels if r]
     n = max(len(r) for _, r in panels)
     # One k3 scale for both rows of panels (log: from a decade below the smallest positive value).
     positive = [m.k3_kl for _, rows in panels for _, m in rows if m.k3_kl > 0]

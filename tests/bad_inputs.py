@@ -632,6 +632,51 @@ def _result(ctx: Ctx, name: str = "s.json") -> Path:
     return _write(ctx, name, SAVED_RESULT.read_bytes())
 
 
+def _result_with(mutate: Callable[[dict], None]) -> Callable[[Ctx], list[str]]:
+    """``plot s.json -o <case>/m.png`` of the saved result changed by ``mutate`` (written with json.dumps:
+    float('inf') as Infinity, NaN as NaN, as Python's json reads them)."""
+
+    def args(ctx: Ctx) -> list[str]:
+        import json
+
+        data = json.loads(SAVED_RESULT.read_text())
+        mutate(data)
+        return ["plot", str(_write(ctx, "s.json", json.dumps(data))), "-o", str(ctx.base / "m.png")]
+
+    return args
+
+
+def _row(field: str, value: Any, key: str = "sampled") -> Callable[[dict], None]:
+    return lambda d: d[key][0].update({field: value})
+
+
+def _many_rows(d: dict) -> None:
+    d["sampled"] = [dict(d["sampled"][0], trainer=f"trainer row {i}") for i in range(1000)]
+
+
+def _plot_drawn(mutate: Callable[[dict], None]) -> Callable[[Ctx], Result]:
+    """``plot`` of the saved result changed by ``mutate``, which it must draw: the PNG's size (bounded) and
+    the note it printed, if any."""
+
+    def run(ctx: Ctx) -> Result:
+        import io
+
+        from PIL import Image
+
+        argv = _result_with(mutate)(ctx)
+        r = _cli(lambda ctx: argv)(ctx)
+        png = ctx.base / "m.png"
+        if r.exit_code == 0 and png.exists():
+            w, h = Image.open(io.BytesIO(png.read_bytes())).size
+            note = next((ln.strip() for ln in r.output.splitlines() if ln.strip().startswith("note:")), "no note")
+            r.detail = f"a {w}x{h} px PNG; {note}"
+            if w * h > 2000 * 4000:
+                r.damage.append(f"the canvas is {w}x{h} px")
+        return r
+
+    return run
+
+
 def _shipped_profile(ctx: Ctx) -> Path:
     p = ctx.shipped / "vllm-0.32.0-cpu-eager-bfloat16.yaml"
     synthetic_profile().save(p)
@@ -1365,6 +1410,29 @@ def _cases() -> list[Case]:
     add("cli-mismatch-json-under-a-file", CLI, "`mismatch --json` below a regular file",
         _cli(lambda ctx: ["mismatch", "--json", _under_a_file(ctx, "m.json")]), CliExit(2, "cannot write"))
     # outputs never clobber an input, each other, or a shipped profile; '-' is stdout
+    # plot checks values, not only types, and bounds its canvas
+    add("cli-plot-k3-infinity", CLI, "`plot` of a result whose k3_kl is Infinity",
+        _cli(_result_with(_row("k3_kl", float("inf")))), CliExit(2, "sampled[0].k3_kl: a finite number is expected"))
+    add("cli-plot-exact-match-nan", CLI, "`plot` of a result whose exact_match is NaN (prefill row)",
+        _cli(_result_with(_row("exact_match", float("nan"), "prefill"))),
+        CliExit(2, "prefill[0].exact_match: a finite number is expected"))
+    add("cli-plot-exact-match-5", CLI, "`plot` of a result whose exact_match is 5.0",
+        _cli(_result_with(_row("exact_match", 5.0))), CliExit(2, "a fraction from 0 to 1 is expected, got 5.0"))
+    add("cli-plot-negative-tokens", CLI, "`plot` of a result with -3 tokens in a row",
+        _cli(_result_with(_row("tokens", -3))), CliExit(2, "sampled[0].tokens: a positive whole number"))
+    add("cli-plot-negative-dlogp", CLI, "`plot` of a result with abs_dlogp_max -1",
+        _cli(_result_with(_row("abs_dlogp_max", -1.0))), CliExit(2, "a number >= 0 is expected"))
+    add("cli-plot-warnings-number", CLI, "`plot` of a result whose warnings is 5",
+        _cli(_result_with(lambda d: d.update(warnings=5))), CliExit(2, "field 'warnings': a list of strings"))
+    add("cli-plot-deep-json", CLI, "`plot` of a JSON nested 100,000 deep",
+        _cli(lambda ctx: ["plot", str(_write(ctx, "s.json", '{"sampled": ' + "[" * 100_000 + "]" * 100_000 + "}")),
+                          "-o", str(ctx.base / "m.png")]), CliExit(2, "nested too deep"))
+    add("cli-plot-folder", CLI, "`plot` of a folder",
+        _cli(lambda ctx: ["plot", str(_folder(ctx)), "-o", str(ctx.base / "m.png")]), CliExit(2, "a folder"))
+    add("cli-plot-mathtext-label", CLI, "`plot` of a result with the trainer label '$\\frac{$' (mathtext)",
+        _plot_drawn(_row("trainer", "$\\frac{$")), Succeeds("PNG; no note"))
+    add("cli-plot-1000-rows", CLI, "`plot` of a result with 1,000 valid sampled rows", _plot_drawn(_many_rows),
+        Succeeds("a 1560x3192 px PNG; note: the PNG draws the first 30 rows of each panel"))
     add("cli-plot-over-its-input", CLI, "`plot s.json -o s.json` (the PNG over the result it draws)",
         _cli(lambda ctx: ["plot", str(_result(ctx)), "-o", str(ctx.work / "s.json")]),
         CliExit(2, "which this command reads"))
