@@ -279,9 +279,10 @@ def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_to
                 prompt_len: int = 12, batch_check: bool = False) -> dict[str, Any]:
     """Run ``python -m engineloop.capture`` in the engine's environment and load what it wrote.
 
-    Its whole output goes to a log file (kept, and named in the error, when the run fails; removed
-    when it succeeds). A run that takes longer than ``$ENGINEPROFILES_CAPTURE_TIMEOUT`` seconds (default
-    1800) is killed with every engine process it started. Failures raise :class:`EngineRunFailed` naming
+    Its whole output goes to a log file (kept, and named in the error, when the run fails or times
+    out; removed when it succeeds and when it is interrupted: Ctrl-C once left it behind, unmentioned).
+    A run that takes longer than ``$ENGINEPROFILES_CAPTURE_TIMEOUT`` seconds (default 1800) is killed
+    with every engine process it started. Failures raise :class:`EngineRunFailed` naming
     the cause: the SGLang stand-in missing, a port in use, a timeout, an engine crash."""
     from . import runner
 
@@ -294,38 +295,43 @@ def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_to
            "--prompt-len", str(prompt_len)] + (["--batch-check"] if batch_check else [])
     fd, name = tempfile.mkstemp(prefix=f"engineprofiles-{engine}-capture-", suffix=".log")
     log = Path(name)
-    with os.fdopen(fd, "w") as lf:
-        lf.write(f"$ {' '.join(cmd)}\n")
-        lf.flush()
-        try:
-            proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
-        except OSError as e:
+    keep = False  # the log stays only where an error names it (a failed or timed-out run)
+    try:
+        with os.fdopen(fd, "w") as lf:
+            lf.write(f"$ {' '.join(cmd)}\n")
+            lf.flush()
+            try:
+                proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True)
+            except OSError as e:
+                raise EngineProfilesError(f"cannot run {py} ({e.strerror or e}); is it the python of an environment "
+                                          "made by scripts/engine_env.sh?") from None
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                keep = True
+                raise EngineRunFailed(
+                    f"{engine} capture timed out: the engine did not finish within {timeout:g} s (${TIMEOUT_VAR}) and "
+                    f"was stopped; its output is in {log}", "timeout", log) from None
+            except BaseException:  # Ctrl-C: leave no engine process behind (and, below, no log nobody is told of)
+                _kill_group(proc)
+                raise
+        if code != 0:
+            text = log.read_text(errors="replace")
+            cause, what = _classify(text, code)
+            lines = [ln for ln in text.splitlines() if ln.strip() and "Ignore import error" not in ln]
+            tail = "\n".join(lines[-12:]) or "(no output: is it the python of an engine environment?)"
+            hint = ""
+            if cause == "missing-standin":
+                hint = f"; make the environment again with `{runner.install_hint(engine)}`"
+            how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
+            keep = True
+            raise EngineRunFailed(f"{engine} capture with {py} failed ({how}): {cause}: {what}{hint}. Full log: {log}\n"
+                                  f"{tail}", cause, log)
+    finally:
+        if not keep:
             log.unlink(missing_ok=True)
-            raise EngineProfilesError(f"cannot run {py} ({e.strerror or e}); is it the python of an environment made "
-                                      "by scripts/engine_env.sh?") from None
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            raise EngineRunFailed(
-                f"{engine} capture timed out: the engine did not finish within {timeout:g} s (${TIMEOUT_VAR}) and was "
-                f"stopped; its output is in {log}", "timeout", log) from None
-        except BaseException:  # Ctrl-C: leave no engine process behind
-            _kill_group(proc)
-            raise
-    if code != 0:
-        text = log.read_text(errors="replace")
-        cause, what = _classify(text, code)
-        lines = [ln for ln in text.splitlines() if ln.strip() and "Ignore import error" not in ln]
-        tail = "\n".join(lines[-12:]) or "(no output: is it the python of an engine environment?)"
-        hint = ""
-        if cause == "missing-standin":
-            hint = f"; make the environment again with `{runner.install_hint(engine)}`"
-        how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
-        raise EngineRunFailed(f"{engine} capture with {py} failed ({how}): {cause}: {what}{hint}. Full log: {log}\n{tail}",
-                              cause, log)
-    log.unlink(missing_ok=True)
     return load_capture(out)
 
 

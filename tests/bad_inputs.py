@@ -63,7 +63,8 @@ from engineprofiles.regions import (  # noqa: E402
 from engineprofiles.schema import make_profile  # noqa: E402
 from engineprofiles.store import ENV_VAR, get_profile  # noqa: E402
 
-from engineloop.mismatch import run_mismatch as _RUN_MISMATCH  # noqa: E402  (the real one: _no_engines replaces it)
+from engineloop.mismatch import run_capture as _RUN_CAPTURE  # noqa: E402  (the real ones: _no_engines replaces them)
+from engineloop.mismatch import run_mismatch as _RUN_MISMATCH  # noqa: E402
 
 from .conftest import synthetic_profile  # noqa: E402
 from .emulator.helpers import activations, assert_same_bits, model_state  # noqa: E402
@@ -913,6 +914,44 @@ def _save_capture(setup: Callable[[Ctx], tuple[Path, tuple[str, ...]]], interrup
     return run
 
 
+def _capture_log_interrupted(ctx: Ctx) -> Result:
+    """Ctrl-C while ``mismatch``/``localize`` wait for the engine's capture (engineloop.mismatch.run_capture,
+    the real one, with the engine process faked: its wait() raises KeyboardInterrupt): the engine's
+    capture log (engineprofiles-vllm-capture-*.log in the temporary folder, here the case's folder) must
+    not be left behind, and the engine's process group is killed."""
+    from engineloop import mismatch as M
+
+    killed: list[Any] = []
+
+    class Engine:  # what subprocess.Popen would start
+        pid = -1
+
+        def __init__(self, *a: Any, **k: Any) -> None:
+            pass
+
+        def wait(self, timeout: float | None = None) -> int:
+            assert list(ctx.work.glob("engineprofiles-vllm-capture-*.log")), "the log is made before the engine starts"
+            raise KeyboardInterrupt
+
+    before = snapshot(ctx.work)
+    with mock.patch.object(M.subprocess, "Popen", Engine), mock.patch.object(M, "_kill_group", killed.append), \
+            mock.patch("engineloop.runner.engine_importable", lambda *a: False), \
+            mock.patch("engineloop.runner.find_engine_python", lambda *a: Path(sys.executable)), \
+            mock.patch("tempfile.tempdir", str(ctx.work)):
+        try:
+            _, r = _call(lambda: _RUN_CAPTURE("vllm", ctx.base / "model", ctx.base / "capture.pt", prompts=1,
+                                              max_tokens=1, seed=0, env=None, note=lambda m: None))
+        except KeyboardInterrupt:
+            r = Result(error="KeyboardInterrupt", error_class=KeyboardInterrupt,
+                       detail="re-raised to the caller; the engine's process group killed" if killed else
+                       "re-raised, but the engine's process group was not killed")
+    r.damage = file_damage(before, snapshot(ctx.work))
+    if not killed:
+        r.damage.append("the engine's process group was not killed")
+    r.checked = "no capture log left in the temporary folder; the engine's processes killed"
+    return r
+
+
 def _capture_over_existing(ctx: Ctx) -> tuple[Path, tuple[str, ...]]:
     target = _write(ctx, "out.pt", "old capture\n")
     os.chmod(target, 0o600)
@@ -1520,6 +1559,9 @@ def _cases() -> list[Case]:
         _save_capture(_capture_symlink), Succeeds("out.pt a symlink still, untouched; real.pt mode 640, the capture"))
     add("cli-save-capture-interrupted", CLI, "Ctrl-C (KeyboardInterrupt) inside torch.save of `--save-capture out.pt` "
         "over an existing out.pt", _save_capture(_capture_interrupted, interrupt=True), Raises(KeyboardInterrupt, ""))
+
+    add("cli-capture-log-interrupted", CLI, "Ctrl-C (KeyboardInterrupt) while `mismatch`/`localize` wait for the "
+        "engine's capture (the engine process faked)", _capture_log_interrupted, Raises(KeyboardInterrupt, ""))
 
     # apply_profile
     prof = _profile_obj
