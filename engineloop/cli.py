@@ -506,9 +506,9 @@ def _check_profile_option(profile: Optional[str], engine: str, *, exact: bool, c
     """--profile of mismatch and localize, resolved and loaded before any engine or trainer work (a
     spec such as ``vllm==`` that names no engine and no file, a missing or invalid file, an engine with
     no fitting shipped profile: refused now, not after the engine ran for minutes); with exact mode and
-    no capture, the profile must be the engine's (exact mode reproduces the engine whose profile it
-    applies; with a capture, engine_profile checks it against the capture's engine before any trainer
-    row). The Profile, or None without --profile."""
+    no capture, a profile of the other engine the loop runs is refused (exact mode reproduces the engine
+    whose profile it applies; with a capture, engine_profile checks it against the capture's engine
+    before any trainer row). The Profile, or None without --profile."""
     if profile is None:
         return None
     import warnings
@@ -518,7 +518,9 @@ def _check_profile_option(profile: Optional[str], engine: str, *, exact: bool, c
     with warnings.catch_warnings():  # the run chooses the same profile again, and warns then
         warnings.simplefilter("ignore")
         prof = get_profile(profile)
-    if exact and capture is None and prof.engine.name != engine:
+    from .mismatch import LOOP_ENGINES
+
+    if exact and capture is None and prof.engine.name != engine and prof.engine.name in LOOP_ENGINES:
         raise EngineProfilesError(
             f"--exact: --profile {profile} is a profile of {prof.engine.name} ({prof.canonical_name}), but the engine "
             f"that samples is {engine}: exact mode reproduces the engine its profile describes; pass a {engine} "
