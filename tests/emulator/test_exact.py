@@ -15,7 +15,7 @@ import torch
 
 import emulator
 from emulator import functional as F
-from emulator.errors import CapabilityMismatch, ExactModeUnavailable, InputError, MachineMismatch, RegionUnavailable
+from emulator.errors import CapabilityMismatch, ExactModeUnavailable, InexactEvidence, InputError, MachineMismatch, RegionUnavailable
 from emulator.ops.attention import fp32_attention
 from engineprofiles import store
 from engineprofiles.models import tiny_model
@@ -615,9 +615,9 @@ def test_a_padded_batch_of_mixed_lengths_gives_each_row_its_bits_alone_or_is_ref
     family = rng.choice(["qwen2", "qwen3", "llama"])
     model = tiny_model(family, seed=seed, **random_widths(rng))
     variant = row_variant_linears(model, torch.bfloat16)
-    if variant:
-        with pytest.raises(ExactModeUnavailable, match="how many tokens share the GEMM"):
-            emulator.apply_profile(model, HERE, exact=True)
+    if variant:  # said, and no padded batch can be claimed here
+        with pytest.warns(InexactEvidence, match="how many tokens share the GEMM"):
+            emulator.apply_profile(model, HERE, exact=True).remove()
         return
     lengths = sorted(rng.sample(range(3, 40), 3))
     g = torch.Generator().manual_seed(seed)
@@ -635,12 +635,10 @@ def test_a_padded_batch_of_mixed_lengths_gives_each_row_its_bits_alone_or_is_ref
             assert_same_bits(batch[i, width - len(s):], alone, f"{family} row {i} ({len(s)} tokens of {width})")
 
 
-def test_exact_mode_refuses_linear_layers_whose_rows_depend_on_the_row_count(monkeypatch):
+def test_exact_mode_says_when_linear_layers_rows_depend_on_the_row_count(monkeypatch):
     """The must-fail control of the row check: a linear kernel that rounds differently above 64 rows (as
-    oneDNN's AMX path measured on an Intel Xeon) is refused, naming the layer; the override warns."""
+    oneDNN's AMX path measured on an Intel Xeon) is named in an InexactEvidence warning."""
     from emulator.patching import gemm
-
-    from .helpers import assert_untouched, model_state
 
     real = torch.nn.functional.linear
 
@@ -654,10 +652,5 @@ def test_exact_mode_refuses_linear_layers_whose_rows_depend_on_the_row_count(mon
     monkeypatch.setattr(gemm, "_CACHE", {})
     monkeypatch.setattr(torch.nn.functional, "linear", blocked)
     model = tiny_model("qwen2", seed=0)
-    before = model_state(model)
-    with pytest.raises(ExactModeUnavailable, match=r"model\.layers\.0\.self_attn\.q_proj .*rows differ") as e:
-        emulator.apply_profile(model, HERE, exact=True)
-    assert "allow_other_machine" in str(e.value)
-    assert_untouched(model, before)
-    with pytest.warns(MachineMismatch, match="how many tokens share the GEMM"):
-        emulator.apply_profile(model, HERE, exact=True, allow_other_machine=True).remove()
+    with pytest.warns(InexactEvidence, match=r"model\.layers\.0\.self_attn\.q_proj .*rows differ"):
+        emulator.apply_profile(model, HERE, exact=True).remove()
