@@ -71,12 +71,13 @@ def assert_fp32_close(got: torch.Tensor, want: torch.Tensor, what: str, rel: flo
     assert err <= rel * scale, f"{what}: max error {err:.3g} > {rel:.3g} * {scale:.3g}"
 
 
-def on_this_machine(profile):
-    """``profile`` (a Profile or a name) as if probed on this machine (engineprofiles.machine): exact mode's
-    emulation is then tested on any machine; its refusal of other machines is tested in test_exact.py."""
+def on_this_machine(profile, **change):
+    """``profile`` (a Profile or a name) as if probed on this machine (engineprofiles.machine), with
+    ``change`` (machine fields) applied: exact mode's emulation is then tested on any machine, and its
+    refusal of other machines with a field changed."""
     from engineprofiles.machine import this_machine
     from engineprofiles.store import get_profile
 
     prof = get_profile(profile) if isinstance(profile, str) else profile
-    settings = {**prof.engine.settings, **this_machine().settings()}
+    settings = {**prof.engine.settings, **this_machine().settings(), **change}
     return prof.model_copy(update={"engine": prof.engine.model_copy(update={"settings": settings})})

@@ -23,24 +23,16 @@ from engineprofiles.regions import ATTENTION_SPEC, attention_ref
 from engineprofiles.store import get_profile
 
 from ..conftest import as_schema_version
-from .helpers import assert_same_bits
+from .helpers import assert_same_bits, on_this_machine
 
 ENGINE = "vllm-0.32.0-cpu-inductor-bfloat16-insitu"
 POINT = get_profile(ENGINE).point("attention")
 OTHER = POINT.replace(probs="rounded")  # SDPA-like: the weights rounded before P.V
 
 
-def on_machine(prof, **change):
-    """``prof`` as if probed on this machine with ``change`` (engineprofiles.machine fields) applied."""
-    from engineprofiles.machine import this_machine
-
-    settings = {**prof.engine.settings, **this_machine().settings(), **change}
-    return prof.model_copy(update={"engine": prof.engine.model_copy(update={"settings": settings})})
-
-
 # The shipped profile as if probed on this machine: exact mode's emulation is tested on any machine
 # (the machine rule itself is tested below with profiles of other machines).
-HERE = on_machine(get_profile(ENGINE))
+HERE = on_this_machine(get_profile(ENGINE))
 
 
 @pytest.fixture
@@ -206,7 +198,7 @@ def test_exact_mode_refuses_a_profile_of_another_machine_and_changes_nothing(cha
 
     if change.get("cpu_isa") == ["amx_tile"]:  # toggle AMX against this machine, whichever it is
         change = dict(cpu_isa=sorted(set(this_machine().isa) ^ {"amx_tile"}))
-    prof = on_machine(get_profile(ENGINE), **change)
+    prof = on_this_machine(get_profile(ENGINE), **change)
     model = tiny_model("qwen2", seed=0)
     before = model_state(model)
     with pytest.raises(ExactModeUnavailable, match="would not reproduce") as e:
@@ -226,7 +218,7 @@ def test_exact_mode_refuses_a_profile_of_another_machine_and_changes_nothing(cha
 
 
 def test_exact_mode_takes_the_profile_of_this_machine_without_a_word():
-    prof = on_machine(get_profile(ENGINE))
+    prof = on_this_machine(get_profile(ENGINE))
     with warnings.catch_warnings():
         warnings.simplefilter("error", MachineMismatch)
         h = emulator.apply_profile(tiny_model("qwen2", seed=0), prof, exact=True)
@@ -235,7 +227,7 @@ def test_exact_mode_takes_the_profile_of_this_machine_without_a_word():
 
 def test_exact_mode_refuses_a_cpu_profile_for_a_model_on_another_device():
     model = tiny_model("qwen2", seed=0)
-    prof = on_machine(get_profile(ENGINE))
+    prof = on_this_machine(get_profile(ENGINE))
     prof = prof.model_copy(update={"engine": prof.engine.model_copy(update={"backend": "cuda"})})
     with pytest.raises(ExactModeUnavailable, match="profile probed on cuda, the model is on cpu"):
         emulator.apply_profile(model, prof, exact=True)
@@ -244,7 +236,7 @@ def test_exact_mode_refuses_a_cpu_profile_for_a_model_on_another_device():
 def test_a_class_patch_passes_the_machine_rule_on(tmp_path):
     from transformers import Qwen2ForCausalLM
 
-    prof = on_machine(get_profile(ENGINE), cpu_vendor="SomeOtherVendor")
+    prof = on_this_machine(get_profile(ENGINE), cpu_vendor="SomeOtherVendor")
     cfg = tiny_model("qwen2", seed=0).config
     with emulator.patch_qwen2(prof, exact=True):
         with pytest.raises(ExactModeUnavailable, match="vendor"):
@@ -445,7 +437,7 @@ def test_apply_profile_kv_split_refuses_bad_input_and_changes_nothing():
                           (dict(exact=True, kv_split=0), InputError, "positive integer"),
                           (dict(exact=True, kv_split="2"), InputError, "thread count"),
                           (dict(exact=True, kv_split=2,
-                                profile=on_machine(get_profile("sglang-0.5.23-cpu-eager-bfloat16-insitu"))),
+                                profile=on_this_machine(get_profile("sglang-0.5.23-cpu-eager-bfloat16-insitu"))),
                            ExactModeUnavailable, "vLLM's CPU attention scheduler")):
         prof = bad.pop("profile", HERE)
         with warnings.catch_warnings():

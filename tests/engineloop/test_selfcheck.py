@@ -59,12 +59,11 @@ def test_the_rows_a_trainer_uses_decide_whether_the_self_check_is_exact():
 def test_exact_mode_warns_when_the_self_check_fell_short():
     import emulator
     from emulator.errors import InexactEvidence
-    from engineprofiles.machine import this_machine
     from engineprofiles.models import tiny_model
 
-    prof = get_profile(ENGINE)
-    prof = prof.model_copy(update={"engine": prof.engine.model_copy(
-        update={"settings": {**prof.engine.settings, **this_machine().settings()}})})
+    from ..emulator.helpers import on_this_machine
+
+    prof = on_this_machine(ENGINE)
     with pytest.warns(InexactEvidence, match=r"self-check.*prefill exact 97\.00%"):
         emulator.apply_profile(tiny_model("qwen2", seed=0), with_check(prof, prefill=0.97), exact=True).remove()
     with warnings.catch_warnings():
