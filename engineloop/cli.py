@@ -39,6 +39,25 @@ def _fail(e: Exception, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def _print_fitted(console: Console, wide, narrow=None) -> None:
+    """Print a table (or group): piped or redirected, as wide as it needs (print(width=) only narrows),
+    so that no name or number is cut; in a terminal narrower than that, ``narrow`` (fewer columns)
+    where there is one, never every column cut to "…"."""
+    from rich.console import Group
+    from rich.measure import Measurement
+
+    # the tables' width: text around them (a head, warnings) wraps and does not widen the output
+    parts = [r for r in (wide.renderables if isinstance(wide, Group) else [wide]) if isinstance(r, (Table, Group))]
+    natural = max((Measurement.get(console, console.options.update(max_width=10_000), r).maximum for r in parts),
+                  default=console.width)
+    if not console.is_terminal:
+        install_printable(Console(file=console.file, width=max(console.width, natural))).print(wide)
+    elif natural > console.width and narrow is not None:
+        console.print(narrow)
+    else:
+        console.print(wide)
+
+
 def _say(console: Console, text: str, style: str = "") -> None:
     """Print ``text`` literally (it may hold paths or profile strings), in ``style``."""
     console.print(Text(text, style=style), highlight=False)
@@ -96,13 +115,7 @@ def show(
     if out.is_terminal:
         render.show(p, out, name=name)
         return
-    # Piped or redirected: as wide as the tables need (print(width=) only narrows), so that no name,
-    # site or runner-up is cut or folded.
-    from rich.measure import Measurement
-
-    group = render.show_group(p, name, wide=True)
-    natural = Measurement.get(out, out.options.update(max_width=10_000), group).maximum
-    install_printable(Console(file=out.file, width=max(out.width, natural))).print(group)
+    _print_fitted(out, render.show_group(p, name, wide=True))  # piped: no name, site or runner-up cut
 
 
 @app.command()
@@ -181,13 +194,7 @@ def list_profiles(
             continue
         t.add_row(*(Text(str(v)) for v in (r["name"], r["engine"], r["version"], r["device"], r["mode"], r["dtype"],
                                            r["capability"] or "-", r["method"], r["date"][:10])))
-    console = out
-    if not out.is_terminal:  # piped or redirected: as wide as the table needs (print(width=) only narrows)
-        from rich.measure import Measurement
-
-        natural = Measurement.get(out, out.options.update(max_width=10_000), t).maximum
-        console = install_printable(Console(file=out.file, width=max(out.width, natural)))
-    console.print(t)
+    _print_fitted(out, t)
 
 
 @app.command()
@@ -449,7 +456,8 @@ def mismatch(
     import sys
 
     rep.command = os.environ.get("ENGINEPROFILES_COMMAND") or shlex.join(["probe-engine", *sys.argv[1:]])
-    (err if "-" in (json_out, plot) else out).print(tables.mismatch_table(rep))  # stdout: the JSON or PNG alone
+    _print_fitted(err if "-" in (json_out, plot) else out,  # stdout: the JSON or PNG alone
+                  tables.mismatch_table(rep), tables.mismatch_table(rep, narrow=True))
     try:
         if json_out:
             where = runner.write_output(json_out, json.dumps(rep.as_dict(), indent=2))
@@ -600,7 +608,7 @@ def localize(
     except EngineProfilesError as e:
         _fail(e)
     rep.command = os.environ.get("ENGINEPROFILES_COMMAND") or shlex.join(["probe-engine", *sys.argv[1:]])
-    (err if json_out == "-" else out).print(tables.localize_table(rep))  # stdout: the JSON alone
+    _print_fitted(err if json_out == "-" else out, tables.localize_table(rep))  # stdout: the JSON alone
     if json_out:
         from . import runner
 

@@ -20,7 +20,20 @@ def pct(x: float) -> str:
     return s + "%"
 
 
-def mismatch_table(rep) -> Group:
+# The mismatch tables' columns; a terminal narrower than all of them gets NARROW (never every column cut).
+COLUMNS = ("trainer", "exact", "k3 KL", "|dp| max", "|dp| mean", "|dlogp| mean", "|dlogp| max", "PPL ratio")
+NARROW = ("trainer", "exact", "k3 KL", "|dlogp| max")
+
+
+def _metric_cells(m) -> dict[str, str]:
+    return {"exact": pct(m.exact_match), "k3 KL": f"{m.k3_kl:.1e}", "|dp| max": f"{m.abs_dp_max:.1e}",
+            "|dp| mean": f"{m.abs_dp_mean:.1e}", "|dlogp| mean": f"{m.abs_dlogp_mean:.1e}",
+            "|dlogp| max": f"{m.abs_dlogp_max:.1e}", "PPL ratio": f"{m.ppl_ratio:.5f}"}
+
+
+def mismatch_table(rep, narrow: bool = False) -> Group:
+    """The mismatch report: its head, a table of sampled and one of re-scored tokens (every metric;
+    ``narrow``: :data:`NARROW` only, for an 80-column terminal), the batch check where there is one."""
     e = rep.engine
     head = Text()
     head.append(f"{e['name']} {e['version']} ({e.get('compilation_mode', '')}, mode {e.get('mode', 'default')}) vs HF "
@@ -34,15 +47,17 @@ def mismatch_table(rep) -> Group:
     parts: list = [head]
     for title, rows in (("sampled tokens (engine decode log-probs)", rep.rows),
                         ("every token re-scored in one prefill (engine prompt log-probs)", rep.prefill_rows)):
+        cols = NARROW if narrow else COLUMNS
         t = Table(title=title)
-        for col in ("trainer", "exact", "k3 KL", "|dp| max", "|dp| mean", "|dlogp| mean", "|dlogp| max", "PPL ratio"):
-            t.add_column(col, no_wrap=True, min_width=22 if col == "trainer" else None)
+        for col in cols:
+            t.add_column(col, no_wrap=col != "trainer", min_width=22 if col == "trainer" else None)
         for name, m in rows:
-            t.add_row(name, pct(m.exact_match), f"{m.k3_kl:.1e}", f"{m.abs_dp_max:.1e}", f"{m.abs_dp_mean:.1e}",
-                      f"{m.abs_dlogp_mean:.1e}", f"{m.abs_dlogp_max:.1e}", f"{m.ppl_ratio:.5f}")
+            cells = _metric_cells(m)
+            t.add_row(name, *(cells[c] for c in cols[1:]))
         parts.append(t)
     n = rep.rows[0][1].tokens if rep.rows else 0
-    parts.append(Text(f"{n} sampled tokens"))
+    parts.append(Text(f"{n} sampled tokens" + ("; narrow terminal: every column with --json FILE or a wider one"
+                                               if narrow else "")))
     bc = getattr(rep, "batch_check", None)
     if bc:
         parts.append(batch_table(bc))

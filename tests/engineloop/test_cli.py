@@ -322,3 +322,30 @@ def test_apply_without_the_emulator_extra_is_an_error_line_naming_it(monkeypatch
         monkeypatch.delitem(sys.modules, name)
     _refused(runner.invoke(app, ["transformers", "--apply", "vllm-0.32.0-cpu-inductor-bfloat16-insitu", "--quick",
                                  "-o", str(tmp_path)]), "engineprofiles[emulator]")
+
+
+@pytest.mark.parametrize("data", ["batch-vllm-0.32.0-qwen2-long.json", "batch-sglang-0.5.23-qwen2.json"])
+def test_a_mismatch_report_fits_an_80_column_terminal_and_is_whole_when_piped(data):
+    """In an 80-column terminal the mismatch tables take fewer columns (never every column cut to "…");
+    piped, every column at full width."""
+    import io
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from engineloop import tables
+    from engineloop.cli import _print_fitted
+
+    rep = tables.load_mismatch(Path(__file__).resolve().parents[2] / "docs" / "data" / data)
+    term = Console(file=io.StringIO(), width=80, force_terminal=True, color_system=None)
+    _print_fitted(term, tables.mismatch_table(rep), tables.mismatch_table(rep, narrow=True))
+    text = term.file.getvalue()
+    table_lines = [ln for ln in text.splitlines() if ln.startswith(("┃", "│"))]
+    assert table_lines and all(len(ln) <= 80 for ln in text.splitlines())
+    assert not any("…" in ln for ln in table_lines), text
+    assert "exact" in text and "|dlogp| max" in text and "every column with --json" in text
+    piped = Console(file=io.StringIO(), width=80, force_terminal=False, color_system=None)
+    _print_fitted(piped, tables.mismatch_table(rep), tables.mismatch_table(rep, narrow=True))
+    text = piped.file.getvalue()
+    header = next(ln for ln in text.splitlines() if "trainer" in ln and "PPL ratio" in ln)
+    assert "…" not in header and all(c in header for c in tables.COLUMNS)
