@@ -13,7 +13,12 @@ Class level::
 Every model of the family built while the class patch is active (``from_pretrained``,
 ``from_config``, ``Qwen2ForCausalLM(config)``; the outermost model, e.g. the causal LM around its
 decoder) is passed to :func:`~emulator.patching.apply.apply_profile` once its weights are there, with
-the options given; a refusal is raised where the model is built. Unlike Liger, nothing of
+the options given; a refusal is raised where the model is built. A model built on the meta device
+(``accelerate.init_empty_weights()``, ``torch.device("meta")``: verl's FSDP workers on every rank
+but 0) has no weights yet: it is patched when they have arrived, at its first forward (or earlier
+with ``patch.apply_pending()``, e.g. right after the framework loads the state dict);
+``patch.pending`` lists such models, and a forward while its weights are still on the meta device
+raises :class:`~emulator.errors.PatchError`: it is never left unpatched silently. Unlike Liger, nothing of
 transformers' modeling module is replaced: the patch is the instance patch, applied for you.
 
 Recorded in the config::
@@ -41,7 +46,7 @@ import torch
 
 from engineprofiles.schema import Profile, profile_from_yaml
 
-from ..errors import UnsupportedModel
+from ..errors import PatchError, UnsupportedModel
 from .families import FAMILIES, families_text
 from .handle import PatchHandle, handle_of
 
@@ -160,6 +165,7 @@ class ClassPatch:
         self.options = options
         self._handles: list[PatchHandle] = []
         self._undo: list[Any] = []
+        self._pending: dict[int, tuple[Any, Any]] = {}  # meta-device builds: id -> (weakref to the model, hook)
 
     @property
     def active(self) -> bool:
@@ -169,12 +175,31 @@ class ClassPatch:
     def handles(self) -> list[PatchHandle]:
         return [h for h in self._handles if h.active]
 
+    @property
+    def pending(self) -> list[torch.nn.Module]:
+        """Models built on the meta device, to be patched when their weights arrive (their first
+        forward, or :meth:`apply_pending`)."""
+        return [m for m in (ref() for ref, _ in self._pending.values()) if m is not None]
+
+    def apply_pending(self) -> list[PatchHandle]:
+        """Patch every pending model whose weights have arrived (none left on the meta device); the
+        others stay pending. Returns the handles made."""
+        made = []
+        for key, (ref, _) in list(self._pending.items()):
+            model = ref()
+            if model is not None and not _on_meta(model):
+                made.append(self._patch_arrived(key))
+        return [h for h in made if h is not None]
+
     def remove(self, instances: bool = False) -> None:
         """Restore the family's classes (models built afterwards are plain); with ``instances``, also
-        remove the patch of every model this class patch patched."""
+        remove the patch of every model this class patch patched (and leave its pending models plain)."""
         while self._undo:
             self._undo.pop()()
         if instances:
+            for _, hook in self._pending.values():
+                hook.remove()
+            self._pending.clear()
             for h in self._handles:
                 h.remove()
             self._handles.clear()
@@ -188,7 +213,8 @@ class ClassPatch:
     def __repr__(self) -> str:
         what = self.profile if isinstance(self.profile, (str, type(None))) else getattr(self.profile, "canonical_name", self.profile)
         return (f"ClassPatch({self.family}, profile={what or 'recorded in each config'}, "
-                f"{'active' if self.active else 'removed'}, {len(self.handles)} model(s) patched)")
+                f"{'active' if self.active else 'removed'}, {len(self.handles)} model(s) patched"
+                + (f", {len(self.pending)} pending (built on the meta device)" if self._pending else "") + ")")
 
     # -- what the wrapped classes call -----------------------------------------------------------
     def _patch(self, model: torch.nn.Module) -> None:
@@ -196,8 +222,12 @@ class ClassPatch:
 
         if handle_of(model) is not None:
             return
-        if any(p.is_meta for p in model.parameters()):
-            return  # built without weights (from_pretrained loads them, then patches)
+        if _on_meta(model):  # built without weights: patched when they arrive
+            if id(model) not in self._pending:
+                self._defer(model)
+            return
+        if id(model) in self._pending:  # its weights have arrived (from_pretrained, a state dict loaded)
+            self._pending.pop(id(model))[1].remove()
         if self.profile is None:
             found = recorded_profile(model)
             if found is None:
@@ -209,6 +239,34 @@ class ClassPatch:
         else:
             handle = apply_profile(model, self.profile, **self.options)
         self._handles.append(handle)
+
+    def _defer(self, model: torch.nn.Module) -> None:
+        key = id(model)
+
+        @torch.compiler.disable  # run eagerly under torch.compile(model) too: the patch is Python, not a graph
+        def first_forward(module: torch.nn.Module, args: Any) -> None:
+            if _on_meta(module):
+                name = next(n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta)
+                raise PatchError(f"{type(module).__name__} was built on the meta device under class patch "
+                                 f"{self.family} and runs a forward with {name} still on the meta device: load its "
+                                 "weights first (it is patched when they have arrived)")
+            self._patch_arrived(key)
+
+        import weakref
+
+        hook = model.register_forward_pre_hook(first_forward)
+        self._pending[key] = (weakref.ref(model, lambda _: self._pending.pop(key, None)), hook)
+
+    def _patch_arrived(self, key: int) -> PatchHandle | None:
+        model = self._pending[key][0]()
+        if model is None:
+            return None
+        self._patch(model)  # built under the patch: patched, even where the patch was removed meanwhile
+        return handle_of(model)
+
+
+def _on_meta(model: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
 def _family_classes(family: str) -> tuple[Any, list[type]]:

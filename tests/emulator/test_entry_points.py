@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import emulator
+from emulator.errors import PatchError
 from emulator.patching import AlreadyPatched, NoRecordedProfile, UnsupportedModel, handle_of, patched_modules
 from engineprofiles.errors import CapabilityMismatch, ProfileError
 from engineprofiles.models import tiny_inputs, tiny_model
@@ -83,6 +84,62 @@ def test_a_class_patch_patches_every_model_of_its_family_built_afterwards(family
     patch.remove(instances=True)
     assert handle_of(built) is None and not dict(patched_modules(built))
     assert_same_bits(logits(built, ids), plain, "remove(instances=True) unpatches it")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_a_model_built_on_the_meta_device_is_patched_when_its_weights_arrive(family):
+    """verl's FSDP workers build the actor on the meta device on every rank but 0
+    (accelerate.init_empty_weights) and load the weights afterwards: the class patch patches such a
+    model at its first forward once the weights are there (or at patch.apply_pending()), to the bits
+    of the directly patched model, and refuses a forward while they are still missing. It once
+    skipped them silently: handle_of(model) None, no warning."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    ref = tiny_model(family, seed=1)
+    ids = tiny_inputs(ref, 12, seed=2)
+    want = patched_logits(family, ids)
+    state = ref.state_dict()
+    with getattr(emulator, f"patch_{family}")(INSITU) as patch:
+        with init_empty_weights():  # parameters on the meta device, buffers (RoPE's inv_freq) real
+            first = AutoModelForCausalLM.from_config(ref.config, dtype=torch.bfloat16)
+            second = AutoModelForCausalLM.from_config(ref.config, dtype=torch.bfloat16)
+        assert handle_of(first) is None and patch.pending == [first, second] and "2 pending" in repr(patch)
+        with pytest.raises(PatchError, match="meta device.*load its weights first"):
+            logits(first, ids)
+        assert patch.pending == [first, second]  # still pending, nothing half-done
+        # the weights arrive as HF's loader assigns them; the first forward patches it
+        first.load_state_dict(state, assign=True)
+        first.eval()
+        assert_same_bits(logits(first, ids), want, "meta build, patched at its first forward")
+        assert handle_of(first) is not None and handle_of(first).model is first and patch.pending == [second]
+        # the weights arrive as FSDP's loaders put them (to_empty, then the state and the buffers)
+        second.to_empty(device="cpu")
+        second.load_state_dict(state)
+        for (name, buf), (_, src) in zip(second.named_buffers(), ref.named_buffers()):
+            buf.copy_(src)
+        second.eval()
+        made = patch.apply_pending()
+        assert [h.model for h in made] == [second] and not patch.pending
+        assert_same_bits(logits(second, ids), want, "meta build, patched by apply_pending()")
+        assert [h.model for h in patch.handles] == [first, second]
+        with init_empty_weights():
+            third = AutoModelForCausalLM.from_config(ref.config, dtype=torch.bfloat16)
+        third.load_state_dict(state, assign=True)
+        with torch.no_grad():  # compiled before its first forward: the patch still comes first
+            assert_same_bits(torch.compile(third.eval())(ids).logits, want, "meta build, compiled")
+        assert handle_of(third) is not None
+    # built under the patch but loaded after remove(): still patched; remove(instances=True) drops it
+    with getattr(emulator, f"patch_{family}")(INSITU) as patch:
+        with init_empty_weights():
+            late = AutoModelForCausalLM.from_config(ref.config, dtype=torch.bfloat16)
+            dropped = AutoModelForCausalLM.from_config(ref.config, dtype=torch.bfloat16)
+    late.load_state_dict(state, assign=True)
+    assert_same_bits(logits(late.eval(), ids), want, "patched after the class patch was removed")
+    patch.remove(instances=True)
+    dropped.load_state_dict(state, assign=True)
+    assert handle_of(dropped) is None and not patch.pending
+    assert_same_bits(logits(dropped.eval(), ids), logits(ref, ids), "remove(instances=True): plain")
 
 
 def test_a_class_patch_passes_its_options_and_raises_a_refusal_where_the_model_is_built():
