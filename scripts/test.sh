@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test suite, as CI runs it: make the test venv and the engine environments, then pytest.
 # Extra arguments go to pytest. Fails when any test fails or when no test ran (pytest exit 5).
+# The tests run on every core (pytest-xdist; TEST_WORKERS=N for another count, 0 for one process):
+# an engine test keeps about one core busy, so two workers on the 2-core machine about halve the time.
 set -euo pipefail
 REPO=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
@@ -10,8 +12,10 @@ PY=$(scripts/dev_env.sh)
 scripts/engine_env.sh vllm 0.32.0 >/dev/null
 scripts/engine_env.sh vllm 0.28.0 >/dev/null
 scripts/engine_env.sh sglang 0.5.23 >/dev/null
+WORKERS=${TEST_WORKERS:-$(nproc)}
+[[ "$WORKERS" =~ ^[0-9]+$ ]] || { echo "error: TEST_WORKERS must be a number of processes, got '$WORKERS'" >&2; exit 2; }
 set +e
-"$PY" -m pytest "$@"
+"$PY" -m pytest -n "$WORKERS" --dist worksteal "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then

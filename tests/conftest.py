@@ -9,6 +9,13 @@ from engineprofiles.regions import REGIONS
 from engineprofiles.schema import make_profile
 
 
+def pytest_collection_modifyitems(config, items):
+    """The engine tests first (each runs a real engine for minutes): scripts/test.sh runs the suite on
+    every core (pytest-xdist, --dist worksteal), and the short tests then fill the other cores while
+    the long ones run, instead of one long test keeping a core busy at the end while the others idle."""
+    items.sort(key=lambda item: item.get_closest_marker("engine") is None)  # stable: the order within each
+
+
 def synthetic_profile(points=None, **engine):
     points = points or {n: s.all_points()[-1] for n, s in REGIONS.items()}
     eng = dict(name="synthetic", version="0.0", backend="cpu", device="test-cpu", torch_version="2.13.0",

@@ -7,6 +7,18 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+# The batch check's engine run: six prompts of 150-154 tokens, long enough for vLLM's CPU attention to
+# split a decode context (test_batch_check_engine, and test_exact_mode's batched rows on the same run).
+LONG = ["--prompts", "6", "--prompt-len", "150", "--max-tokens", "24"]
+BATCH_RUN = ["--family", "qwen2", *LONG, "--batch-check"]
+SPLIT_KV_DEFAULT = {"VLLM_CPU_ATTN_SPLIT_KV": None}  # the engine's default (on); None removes the variable
+
+
+def small_run(family: str, mode: str, rope: str | None = None) -> list[str]:
+    """The engine run of the tiny model (test_exact_mode, test_localize_engine): two prompts, 16 sampled
+    tokens each."""
+    return ["--family", family, "--mode", mode, "--prompts", "2", "--max-tokens", "16",
+            *(["--rope-scaling", rope] if rope else [])]
 
 
 def require_env(engine: str, version: str) -> Path:

@@ -12,31 +12,23 @@ A missing engine environment is a failure, never a skip.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
 
-from .envs import REPO, require_env
+from .envs import BATCH_RUN, SPLIT_KV_DEFAULT, require_env
 
 VERSIONS = {"vllm": "0.32.0", "sglang": "0.5.23"}
-# six prompts of 150-154 tokens: long enough for vLLM's CPU attention to split a decode context
-LONG = ["--prompts", "6", "--prompt-len", "150", "--max-tokens", "24"]
 
 
-def run_batch_check(engine: str, tmp_path, env: dict | None = None) -> dict:
+
+def run_batch_check(engine_mismatch, engine: str, tmp_path, env: dict | None = None) -> dict:
+    """The batch check of ``engine`` on six long prompts; vLLM's run with split-KV in its default (on) is
+    shared with test_exact_mode's batched exact rows (conftest.engine_mismatch)."""
     require_env(engine, VERSIONS[engine])
-    js = tmp_path / "m.json"
-    r = subprocess.run([sys.executable, "-m", "engineloop.cli", "mismatch", engine, "--family", "qwen2", *LONG,
-                        "--batch-check", "--json", str(js)], cwd=REPO, capture_output=True, text=True, timeout=1200,
-                       env=dict(os.environ, **(env or {})))
-    sys.stdout.write(r.stdout[-3000:])
-    assert r.returncode == 0, f"probe-engine mismatch {engine} --batch-check failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
-    d = json.loads(js.read_text())
-    assert "engine batch-invariant: " + ("yes" if d["batch_check"]["batch_invariant"] else "NO") in r.stdout
+    run = engine_mismatch(engine, BATCH_RUN, env=env, tmp=tmp_path)
+    d = run.checked()
+    assert "engine batch-invariant: " + ("yes" if d["batch_check"]["batch_invariant"] else "NO") in run.proc.stdout
     return d
 
 
@@ -74,16 +66,16 @@ def check_what_the_tool_guarantees(d: dict) -> dict:
 
 
 @pytest.mark.engine
-def test_vllm_batch_check_with_split_kv_off_is_batch_invariant(tmp_path):
-    d = run_batch_check("vllm", tmp_path, {"VLLM_CPU_ATTN_SPLIT_KV": "0"})
+def test_vllm_batch_check_with_split_kv_off_is_batch_invariant(engine_mismatch, tmp_path):
+    d = run_batch_check(engine_mismatch, "vllm", tmp_path, {"VLLM_CPU_ATTN_SPLIT_KV": "0"})
     assert d["engine"]["attention"]["split_kv"] is False
     check_what_the_tool_guarantees(d)
     assert d["batch_check"]["batch_invariant"] is True, d["batch_check"]["rows"]
 
 
 @pytest.mark.engine
-def test_vllm_batch_check_in_the_default_split_kv_mode_names_the_split_when_decode_moves(tmp_path):
-    d = run_batch_check("vllm", tmp_path, {"VLLM_CPU_ATTN_SPLIT_KV": "1"})
+def test_vllm_batch_check_in_the_default_split_kv_mode_names_the_split_when_decode_moves(engine_mismatch, tmp_path):
+    d = run_batch_check(engine_mismatch, "vllm", tmp_path, SPLIT_KV_DEFAULT)
     assert d["engine"]["attention"]["split_kv"] is True
     rows = check_what_the_tool_guarantees(d)
     # prefill never split: every composition equal
@@ -98,8 +90,8 @@ def test_vllm_batch_check_in_the_default_split_kv_mode_names_the_split_when_deco
 
 
 @pytest.mark.engine
-def test_sglang_batch_check(tmp_path):
-    d = run_batch_check("sglang", tmp_path)
+def test_sglang_batch_check(engine_mismatch, tmp_path):
+    d = run_batch_check(engine_mismatch, "sglang", tmp_path)
     check_what_the_tool_guarantees(d)
     if not d["batch_check"]["batch_invariant"]:
         warnings.warn(f"SGLang's log-probs changed with the batch: {d['batch_check']['rows']}", stacklevel=1)

@@ -24,7 +24,8 @@ import pytest
 
 from .envs import exact_refused_here, machine_differences, require_env
 
-from .envs import REPO
+from .envs import BATCH_RUN, REPO, SPLIT_KV_DEFAULT, small_run
+
 VERSION = "0.32.0"
 # (family, mode, RoPE scaling of the tiny model). qwen3_moe: sparse MoE blocks, which vLLM runs in its
 # fused CPU experts kernel (the profile's moe entry); qwen2_moe: with a shared expert (the shared_expert
@@ -41,19 +42,12 @@ CASES = [("qwen2", "default", None), ("qwen3", "default", None), ("llama", "defa
 
 @pytest.mark.engine
 @pytest.mark.parametrize("family,mode,rope", CASES, ids=[f"{f}-{m}" + (f"-{r}" if r else "") for f, m, r in CASES])
-def test_exact_mode_reproduces_the_engines_log_probs(family, mode, rope, tmp_path):
+def test_exact_mode_reproduces_the_engines_log_probs(family, mode, rope, engine_mismatch, tmp_path):
     require_env("vllm", VERSION)
     if exact_refused_here("vllm", VERSION, ["--family", family, "--mode", mode, "--exact"], mode=mode):
         return
-    out = tmp_path / "m.json"
-    r = subprocess.run(
-        [sys.executable, "-m", "engineloop.cli", "mismatch", "vllm", "--family", family, "--mode", mode, "--exact",
-         "--prompts", "2", "--json", str(out), *(["--rope-scaling", rope] if rope else [])],
-        cwd=REPO, capture_output=True, text=True, timeout=1200, env=dict(os.environ),
-    )
-    sys.stdout.write(r.stdout[-4000:])
-    assert r.returncode == 0, f"probe-engine mismatch failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
-    d = json.loads(out.read_text())
+    # qwen2's default-mode run is shared with test_localize_engine (conftest.engine_mismatch)
+    d = engine_mismatch("vllm", small_run(family, mode, rope), ["--exact"], tmp=tmp_path).checked()
     assert (d["model"].get("rope_parameters") or {}).get("rope_type") == rope  # the engine ran the scaled model
     rows = {k: {x["trainer"]: x for x in d[k]} for k in ("sampled", "prefill")}
     assert not machine_differences(d["profile"])  # the profile of this machine was applied
@@ -177,7 +171,7 @@ def test_exact_mode_splits_attention_as_vllms_default_split_kv_decode(tmp_path):
 
 
 @pytest.mark.engine
-def test_exact_mode_scores_vllms_batched_split_kv_decode_as_sampled_together(tmp_path):
+def test_exact_mode_scores_vllms_batched_split_kv_decode_as_sampled_together(engine_mismatch, tmp_path):
     """Requests decoded together share the threads: vLLM's scheduler plans the split-KV decode of each step
     for the whole batch, so a sequence's log-probs decoded in a batch are not those decoded alone (107 of 144
     equal, 2026-12-05, AVX512, 2 threads). Exact mode scoring each sequence in one forward as sampled
@@ -186,16 +180,8 @@ def test_exact_mode_scores_vllms_batched_split_kv_decode_as_sampled_together(tmp
     require_env("vllm", VERSION)
     if exact_refused_here("vllm", VERSION, ["--family", "qwen2", "--exact"]):
         return
-    out = tmp_path / "b.json"
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_ATTN_SPLIT_KV"}  # the engine's default
-    r = subprocess.run(
-        [sys.executable, "-m", "engineloop.cli", "mismatch", "vllm", "--family", "qwen2", "--exact", "--batch-check",
-         "--prompts", "6", "--prompt-len", "150", "--max-tokens", "24", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=1200, env=env,
-    )
-    sys.stdout.write(r.stdout[-4000:])
-    assert r.returncode == 0, f"probe-engine mismatch failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
-    d = json.loads(out.read_text())
+    # the engine run of test_batch_check_engine's default split-KV test (shared: conftest.engine_mismatch)
+    d = engine_mismatch("vllm", BATCH_RUN, ["--exact"], SPLIT_KV_DEFAULT, tmp=tmp_path).checked()
     att, bc = d["engine"]["attention"], d["batch_check"]
     engine_rows = {x["composition"]: x for x in bc["rows"]}
     rows = {(x["composition"], x["trainer"]): x for x in bc["exact"]}

@@ -10,34 +10,22 @@ bit-equality is not claimed (see test_exact_mode.py) and only the localization i
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from engineloop.localize import tensor_names
 
-from .envs import machine_differences, require_env
+from .envs import machine_differences, require_env, small_run
 
-from .envs import REPO
 VERSION = "0.32.0"
 
 
 @pytest.mark.engine
 @pytest.mark.parametrize("mode", ["eager", "default"])
-def test_localize_names_the_first_divergence_and_exact_mode_has_none(mode, tmp_path):
+def test_localize_names_the_first_divergence_and_exact_mode_has_none(mode, engine_mismatch, tmp_path):
     require_env("vllm", VERSION)
-    out = tmp_path / "loc.json"
-    r = subprocess.run(
-        [sys.executable, "-m", "engineloop.cli", "localize", "vllm", "--family", "qwen2", "--mode", mode,
-         "--trainer", "as-is", "--trainer", "exact", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=1200, env=dict(os.environ, COLUMNS="120"),
-    )
-    sys.stdout.write(r.stdout[-6000:])
-    assert r.returncode == 0, r.stderr[-3000:]
-    d = json.loads(out.read_text())
+    # the default mode's engine run is test_exact_mode's qwen2 run (shared: conftest.engine_mismatch)
+    d = engine_mismatch("vllm", small_run("qwen2", mode), ["--trainer", "as-is", "--trainer", "exact"],
+                        tmp=tmp_path, command="localize").checked()
     as_is, exact = d["trainers"]
     names = [t["name"] for t in as_is["tensors"]]
     if mode == "eager":
