@@ -736,7 +736,7 @@ def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str
 
 
 def _emit(profile, output: Optional[str], target: Optional[Path], is_dir: bool, print_yaml: bool,
-          extra=None) -> None:
+          extra=None, extra_narrow=None) -> None:
     """Print the summary (to stderr with -o -, so that stdout is the YAML alone), the YAML when
     asked or with -o -, and write the file."""
     from engineprofiles import render
@@ -744,9 +744,9 @@ def _emit(profile, output: Optional[str], target: Optional[Path], is_dir: bool, 
     from . import runner
 
     summary = err if output == "-" else out
-    render.show(profile, summary)
+    summary.print(render.summary_group(profile))  # the whole profile: the file, or probe-engine show FILE
     if extra is not None:
-        summary.print(extra)
+        _print_fitted(summary, extra, extra_narrow)
     if print_yaml or target is None:
         out.print(profile.to_yaml(), highlight=False, markup=False, soft_wrap=True)
     if target is not None:
@@ -754,7 +754,7 @@ def _emit(profile, output: Optional[str], target: Optional[Path], is_dir: bool, 
             path = runner.write_profile(profile, target, is_dir)
         except EngineProfilesError as e:
             _fail(e)
-        err.print(_prefixed("wrote", "green", str(path)), highlight=False)
+        err.print(_prefixed("wrote", "green", f"{path} (all of it: probe-engine show {path})"), highlight=False)
 
 
 # Set when an op-level probe has written everything; read by _main_exit_fast.
@@ -872,7 +872,8 @@ def _in_situ(engine: str, families: list[str], output: Optional[str], seed: int,
             note("self-check not run: the captures were given (--capture), the engine did not run here")
     except EngineProfilesError as e:
         _fail(e)
-    _emit(profile, output, target, is_dir, print_yaml, extra=tables.in_situ_table(fit))
+    _emit(profile, output, target, is_dir, print_yaml, extra=tables.in_situ_table(fit),
+          extra_narrow=tables.in_situ_table(fit, narrow=True))
 
 
 def _engine_command(engine: str):

@@ -295,9 +295,10 @@ def _mismatch_png(rep) -> bytes:
     return buf.getvalue()
 
 
-def in_situ_table(fit) -> Table:
+def in_situ_table(fit, narrow: bool = False) -> Table:
     """Bitwise match per captured tensor: the op-level start, the fitted profile, and for each
-    region the best candidate with other rounding sites there (the runner-up)."""
+    region the best candidate with other rounding sites there (the runner-up; ``narrow``: none, for
+    an 80-column terminal: they are in the profile's evidence)."""
     from engineprofiles.regions import REGIONS
 
     runners = []
@@ -308,6 +309,8 @@ def in_situ_table(fit) -> Table:
         if others:
             m, p, r = max(others, key=lambda x: x[0])
             runners.append((f"runner-up {region}", p, r))
+    if narrow:
+        runners = []
     t = Table(title="in situ: bitwise match per captured tensor")
     t.add_column("tensor")
     t.add_column("op-level start")

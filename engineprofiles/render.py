@@ -34,13 +34,13 @@ def _pct(x: float | None) -> str:
     return s + "%"
 
 
-def profile_header(p: Profile, name: str | None = None) -> Text:
+def profile_header(p: Profile, name: str | None = None, settings: bool = True) -> Text:
     e, pv = p.engine, p.provenance
     t = Text()
     t.append(printable(f"{name or p.canonical_name}\n"), style="bold")
     t.append(printable(f"engine   {e.name} {e.version}  backend={e.backend}  device={e.device}\n"))
     t.append(printable(f"mode     {e.execution_mode}  dtype={p.dtype}  torch={e.torch_version}\n"))
-    if e.settings:
+    if e.settings and settings:
         t.append(printable("settings " + ", ".join(f"{k}={v}" for k, v in e.settings.items()) + "\n"))
     t.append(printable(f"probed   {pv.date}  method={pv.method}  probe v{pv.probe_version} "
                        f"(package {pv.package_version})\n"))
@@ -109,6 +109,33 @@ def notes(p: Profile) -> Text:
             t.append(printable(f"{name}: tied with {'; '.join(ev.tied_with)}\n"),
                      style="red" if ev.ambiguous else "yellow")
     return t
+
+
+def summary_table(p: Profile) -> Table:
+    """One row per region: its sites and variants as ``name=choice`` (folded to the terminal), its
+    match rate and the flags of its evidence (what a probe prints; the rest is in ``show``)."""
+    t = Table(title="rounding sites per region (their meaning and evidence: probe-engine show)", expand=True)
+    t.add_column("region", no_wrap=True)
+    t.add_column("sites", overflow="fold", ratio=3)
+    t.add_column("match", overflow="fold", ratio=1)
+    for name, spec, entry in p.entries():
+        ev = entry.evidence
+        if entry.sites is None:
+            t.add_row(name, _t("unavailable", "red"), _t(ev.reason or ""))
+            continue
+        sites = [f"{c.name}={getattr(entry.sites, c.name)}" for c in spec.sites]
+        sites += [f"{c.name}={getattr(entry.variants, c.name)}" for c in spec.variants]
+        flags = [f for f in ("ambiguous", "shape_dependent", "nondeterministic") if getattr(ev, f)]
+        if ev.indistinguishable:
+            flags.append(f"{len(ev.indistinguishable)} not told apart")
+        t.add_row(name, _t(" ".join(sites)), _t(" ".join([_pct(ev.match_rate), *flags])))
+    return t
+
+
+def summary_group(p: Profile, name: str | None = None) -> Group:
+    """What a probe prints: the header (without the engine's settings, which are in the file) and
+    :func:`summary_table`."""
+    return Group(profile_header(p, name, settings=False), summary_table(p))
 
 
 def show_group(p: Profile, name: str | None = None, wide: bool = True) -> Group:

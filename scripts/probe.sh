@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Probe a real engine in its own environment and print the profile.
+# Probe a real engine in its own environment and print the profile (a summary: one row per region;
+# the whole of it is the file, `probe-engine show FILE`; pass --yaml to print the YAML too).
 #
 #   scripts/probe.sh ENGINE [VERSION] [--ship] [probe-engine options...]
 #
@@ -34,4 +35,4 @@ else
   PY=$("$REPO/scripts/engine_env.sh" "$ENGINE" "$VERSION")
 fi
 export ENGINEPROFILES_COMMAND="scripts/probe.sh $ENGINE${VERSION:+ $VERSION} $*"
-ENGINEPROFILES_REEXEC=1 exec "$PY" -m engineloop.cli "$ENGINE" -o "$OUT/" --yaml "${ARGS[@]}"
+ENGINEPROFILES_REEXEC=1 exec "$PY" -m engineloop.cli "$ENGINE" -o "$OUT/" "${ARGS[@]}"

@@ -267,3 +267,27 @@ def test_an_in_situ_fit_on_scaled_rope_models_says_so_and_refuses_a_capture_of_a
                                  "llama3", "-o", str(tmp_path)])
     assert r.exit_code == 2 and "captured on a model with default RoPE, not RoPE scaling llama3" in r.output, r.output
     assert not list(tmp_path.glob("*.yaml"))
+
+
+def test_an_in_situ_probe_prints_a_summary_that_fits_an_80_column_terminal_in_60_lines(model, planted, tmp_path):
+    """The main job (scripts/probe.sh vllm, in situ) prints a summary, one row per region, never every
+    column cut; the whole profile is the file it names (probe-engine show FILE)."""
+    from typer.testing import CliRunner
+
+    from engineloop.cli import app
+
+    target, cap = planted
+    f = tmp_path / "cap.pt"
+    engine = dict(cap["engine"], name="vllm", version="0.32.0")  # as the engine's capture names itself
+    torch.save(dict(cap, family="qwen2", rope_scaling=None, engine=engine), f)
+    out = tmp_path / "out"
+    out.mkdir()
+    r = CliRunner().invoke(app, ["vllm", "--in-situ", "--family", "qwen2", "--capture", str(f), "-o", str(out)],
+                            env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    written = next(out.glob("*.yaml"))
+    assert len(lines) <= 60, "\n".join(lines)
+    assert f"probe-engine show {written}" in r.output.replace("\n", "")
+    assert all(x in r.output for x in ("swiglu", "silu=", "in situ: bitwise match per captured tensor"))
+    assert not any("…" in ln for ln in lines), r.output
