@@ -24,6 +24,7 @@ from .. import PROBE_VERSION, __version__
 from ..regions import (BESIDE, REGIONS, Point, RegionSpec, add_rmsnorm_ref, moe_block_ref, rmsnorm_ref, rope_cos_sin,
                        rope_ref, shared_expert_ref, swiglu_ref)
 from ..regions.moe import GemmMemo
+from ..errors import EngineProfilesError
 from ..rounding import act_dtype, dtype_name, ulp_distance
 from ..schema import Evidence, Profile, make_profile
 from .base import Adapter, RegionImpl, Unavailable
@@ -50,45 +51,66 @@ def spec_of(region: str) -> RegionSpec:
     return REGIONS[region] if region in REGIONS else BESIDE[region]
 
 
+def _rope_reference(p: Point, inp: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    cos, sin = rope_cos_sin(inp["positions"], inp["q"].shape[-1], inp["base"])
+    return rope_ref(inp["q"], cos, sin, p, style=inp["style"]), rope_ref(inp["k"], cos, sin, p, style=inp["style"])
+
+
+def _moe_reference(p: Point, inp: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    # one GEMM memo per probe case: every lattice point is evaluated on the case's same tensors
+    memo = inp.setdefault("gemm_memo", GemmMemo())
+    return (moe_block_ref(inp["x"], inp["w13"], inp["w2"], inp["router_logits"], inp["topk"], p,
+                          renormalize=inp["renormalize"], memo=memo),)
+
+
+@dataclass(frozen=True)
+class RegionProbe:
+    """How the probe runs one region (or an entry beside them): ``reference(point, inputs)``, the
+    reference's outputs at a lattice point in the engine's output layout; ``call(fn, inputs)``, the
+    engine's implementation called on the inputs (on the probe device; tensors it writes in place
+    are cloned). The inputs come from :data:`engineprofiles.probe.inputs.MAKERS`."""
+
+    reference: Callable[[Point, dict[str, Any]], tuple[torch.Tensor, ...]]
+    call: Callable[[Callable[..., Any], dict[str, Any]], Any]
+
+
+# One entry per region and per entry probed beside them; a region without one is refused by name.
+PROBES: dict[str, RegionProbe] = {
+    "rope": RegionProbe(_rope_reference, lambda fn, d: fn(d["positions"], d["q"].clone(), d["k"].clone(),
+                                                          base=d["base"], style=d["style"])),
+    "swiglu": RegionProbe(lambda p, d: (swiglu_ref(d["gate"], d["up"], p),), lambda fn, d: fn(d["gate"], d["up"])),
+    "add_rmsnorm": RegionProbe(
+        lambda p, d: add_rmsnorm_ref(d["x"], d["residual"], d["weight"], d["eps"], p),
+        lambda fn, d: fn(d["x"].clone(), d["residual"].clone(), d["weight"], d["eps"])),
+    "rmsnorm": RegionProbe(lambda p, d: (rmsnorm_ref(d["x"], d["weight"], d["eps"], p),),
+                           lambda fn, d: fn(d["x"].clone(), d["weight"], d["eps"])),
+    "moe": RegionProbe(_moe_reference, lambda fn, d: fn(d["x"].clone(), d["w13"], d["w2"], d["router_logits"].clone(),
+                                                        d["topk"], renormalize=d["renormalize"])),
+    "shared_expert": RegionProbe(
+        lambda p, d: (shared_expert_ref(d["x"], d["w_gate_up"], d["w_down"], d["w_gate"], d["routed"], d["residual"],
+                                        p),),
+        lambda fn, d: fn(d["x"].clone(), d["w_gate_up"], d["w_down"], d["w_gate"], d["routed"].clone(),
+                         d["residual"].clone())),
+}
+
+
+def probe_of(region: str) -> RegionProbe:
+    """The :class:`RegionProbe` of ``region``; an error naming the probed ones for any other name."""
+    try:
+        return PROBES[region]
+    except KeyError:
+        raise EngineProfilesError(f"no probe for region {region!r}; probed: {', '.join(PROBES)}") from None
+
+
 def reference_outputs(region: str, p: Point, inp: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     """The reference's outputs at ``p`` for one probe case, in the engine's output layout."""
-    if region == "moe":
-        # one GEMM memo per probe case: every lattice point is evaluated on the case's same tensors
-        memo = inp.setdefault("gemm_memo", GemmMemo())
-        return (moe_block_ref(inp["x"], inp["w13"], inp["w2"], inp["router_logits"], inp["topk"], p,
-                              renormalize=inp["renormalize"], memo=memo),)
-    if region == "shared_expert":
-        return (shared_expert_ref(inp["x"], inp["w_gate_up"], inp["w_down"], inp["w_gate"], inp["routed"],
-                                  inp["residual"], p),)
-    if region == "rope":
-        cos, sin = rope_cos_sin(inp["positions"], inp["q"].shape[-1], inp["base"])
-        return (
-            rope_ref(inp["q"], cos, sin, p, style=inp["style"]),
-            rope_ref(inp["k"], cos, sin, p, style=inp["style"]),
-        )
-    if region == "swiglu":
-        return (swiglu_ref(inp["gate"], inp["up"], p),)
-    if region == "rmsnorm":
-        return (rmsnorm_ref(inp["x"], inp["weight"], inp["eps"], p),)
-    return add_rmsnorm_ref(inp["x"], inp["residual"], inp["weight"], inp["eps"], p)
+    return probe_of(region).reference(p, inp)
 
 
 def call_engine(region: str, impl: RegionImpl, inp: dict[str, Any], device: str) -> tuple[torch.Tensor, ...]:
+    """The engine's implementation of ``region`` on one probe case (moved to ``device``), on the CPU."""
     dev = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
-    if region == "rope":
-        out = impl.fn(dev["positions"], dev["q"].clone(), dev["k"].clone(), base=dev["base"], style=dev["style"])
-    elif region == "moe":
-        out = impl.fn(dev["x"].clone(), dev["w13"], dev["w2"], dev["router_logits"].clone(), dev["topk"],
-                      renormalize=dev["renormalize"])
-    elif region == "shared_expert":
-        out = impl.fn(dev["x"].clone(), dev["w_gate_up"], dev["w_down"], dev["w_gate"], dev["routed"].clone(),
-                      dev["residual"].clone())
-    elif region == "swiglu":
-        out = impl.fn(dev["gate"], dev["up"])
-    elif region == "rmsnorm":
-        out = impl.fn(dev["x"].clone(), dev["weight"], dev["eps"])
-    else:
-        out = impl.fn(dev["x"].clone(), dev["residual"].clone(), dev["weight"], dev["eps"])
+    out = probe_of(region).call(impl.fn, dev)
     outs = out if isinstance(out, tuple) else (out,)
     return tuple(o.detach().to("cpu") for o in outs)
 

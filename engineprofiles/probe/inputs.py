@@ -118,54 +118,45 @@ def _tune_weight_to_ties(n: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def make_inputs(case: Case, dtype: torch.dtype, seed: int) -> dict[str, Any]:
-    """The tensors for one case (CPU). Magnitudes suit both BF16 and FP16 (no FP16 overflow)."""
+    """The tensors for one case (CPU), by the region's maker (:data:`MAKERS`). Magnitudes suit both
+    BF16 and FP16 (no FP16 overflow)."""
+    maker = MAKERS.get(case.region)
+    if maker is None:
+        from ..errors import EngineProfilesError
+
+        raise EngineProfilesError(f"no probe inputs for region {case.region!r}; made for: {', '.join(MAKERS)}")
     g = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(f"{case.region}:{case.label}".encode()) % 100003)
-    s = case.shape
-    if case.region == "rope":
-        t = s["tokens"]
-        pos = torch.randint(0, s["max_pos"], (t,), generator=g)
-        pos[0] = s["max_pos"] - 1
-        q = _with_outliers(torch.randn(t, s["q_heads"], s["head_dim"], generator=g) * 2, g, 0.01, 20)
-        k = _with_outliers(torch.randn(t, s["kv_heads"], s["head_dim"], generator=g) * 4, g, 0.01, 20)
-        base = s.get("base", ROPE_BASE)
-        return dict(positions=pos, q=_act(q, dtype), k=_act(k, dtype), base=base, style=s["style"])
-    if case.region == "moe":
-        return _moe_inputs(s, dtype, g)
-    if case.region == "shared_expert":
-        return _shared_inputs(s, dtype, g)
-    if case.region == "swiglu":
-        shape = (s["tokens"], s["inter"])
-        gate = _with_outliers(torch.randn(shape, generator=g) * 3, g, 0.01, 6)
-        up = _with_outliers(torch.randn(shape, generator=g) * 2, g, 0.01, 10)
-        return dict(gate=_act(gate, dtype), up=_act(up, dtype))
+    return maker(case.shape, dtype, g, case.region)
+
+
+def _rope_inputs(s: dict[str, Any], dtype: torch.dtype, g: torch.Generator, region: str) -> dict[str, Any]:
+    t = s["tokens"]
+    pos = torch.randint(0, s["max_pos"], (t,), generator=g)
+    pos[0] = s["max_pos"] - 1
+    q = _with_outliers(torch.randn(t, s["q_heads"], s["head_dim"], generator=g) * 2, g, 0.01, 20)
+    k = _with_outliers(torch.randn(t, s["kv_heads"], s["head_dim"], generator=g) * 4, g, 0.01, 20)
+    base = s.get("base", ROPE_BASE)
+    return dict(positions=pos, q=_act(q, dtype), k=_act(k, dtype), base=base, style=s["style"])
+
+
+def _swiglu_inputs(s: dict[str, Any], dtype: torch.dtype, g: torch.Generator, region: str) -> dict[str, Any]:
+    shape = (s["tokens"], s["inter"])
+    gate = _with_outliers(torch.randn(shape, generator=g) * 3, g, 0.01, 6)
+    up = _with_outliers(torch.randn(shape, generator=g) * 2, g, 0.01, 10)
+    return dict(gate=_act(gate, dtype), up=_act(up, dtype))
+
+
+def _norm_inputs(s: dict[str, Any], dtype: torch.dtype, g: torch.Generator, region: str) -> dict[str, Any]:
+    """rmsnorm and add_rmsnorm (``region``): rows with outliers, a couple of unusual weights; ``tuned``
+    cases stress the normalization, others (add_rmsnorm) plant exact ties in the residual sum."""
     shape = (s["tokens"], s["hidden"])
     eps = s.get("eps", EPS)
     x = _with_outliers(torch.randn(shape, generator=g), g, 0.01, 30)
     w = _act(1 + 0.1 * torch.randn(s["hidden"], generator=g), dtype)
     w[:2] = torch.tensor([4.0, 0.03125])  # a couple of unusual weights, as real checkpoints have
     if s.get("tuned"):
-        # Rows that stress the normalization, and weights tuned to rounding ties for row 0.
-        x = _act(x, dtype)
-        if case.region == "add_rmsnorm":
-            res = _act(_with_outliers(torch.randn(shape, generator=g) * 8, g, 0.01, 40), dtype)
-            base = x.float() + res.float()
-        else:
-            res, base = None, x.float()
-        # Row 0 is redrawn until the usual ways of forming 1/sqrt(var) disagree in FP32 on this
-        # device, so that formula variants of the normalization become visible.
-        for _ in range(256):
-            v = base[0].pow(2).mean() + eps
-            if bool(torch.rsqrt(v) != 1.0 / torch.sqrt(v)):
-                break
-            row = _act(torch.randn(shape[-1], generator=g), dtype)
-            x[0] = row
-            base = x.float() + res.float() if res is not None else x.float()
-        n0 = base[0] * torch.rsqrt(base[0].pow(2).mean() + eps)
-        w = _tune_weight_to_ties(n0, dtype).to(dtype)
-        if res is None:
-            return dict(x=x, weight=w, eps=eps)
-        return dict(x=x, residual=res, weight=w, eps=eps)
-    if case.region == "rmsnorm":
+        return _tuned_norm_inputs(x, shape, eps, dtype, g, region)
+    if region == "rmsnorm":
         return dict(x=_act(x, dtype), weight=w, eps=eps)
     res = _with_outliers(torch.randn(shape, generator=g) * 8, g, 0.01, 40)
     res, x = _act(res, dtype), _act(x, dtype)
@@ -182,7 +173,32 @@ def make_inputs(case: Case, dtype: torch.dtype, seed: int) -> dict[str, Any]:
     return dict(x=xf.view(shape), residual=res, weight=w, eps=eps)
 
 
-def _moe_inputs(s: dict[str, Any], dtype: torch.dtype, g: torch.Generator) -> dict[str, Any]:
+def _tuned_norm_inputs(x: torch.Tensor, shape: tuple[int, int], eps: float, dtype: torch.dtype,
+                       g: torch.Generator, region: str) -> dict[str, Any]:
+    """Rows that stress the normalization, and weights tuned to rounding ties for row 0."""
+    x = _act(x, dtype)
+    if region == "add_rmsnorm":
+        res = _act(_with_outliers(torch.randn(shape, generator=g) * 8, g, 0.01, 40), dtype)
+        base = x.float() + res.float()
+    else:
+        res, base = None, x.float()
+    # Row 0 is redrawn until the usual ways of forming 1/sqrt(var) disagree in FP32 on this
+    # device, so that formula variants of the normalization become visible.
+    for _ in range(256):
+        v = base[0].pow(2).mean() + eps
+        if bool(torch.rsqrt(v) != 1.0 / torch.sqrt(v)):
+            break
+        row = _act(torch.randn(shape[-1], generator=g), dtype)
+        x[0] = row
+        base = x.float() + res.float() if res is not None else x.float()
+    n0 = base[0] * torch.rsqrt(base[0].pow(2).mean() + eps)
+    w = _tune_weight_to_ties(n0, dtype).to(dtype)
+    if res is None:
+        return dict(x=x, weight=w, eps=eps)
+    return dict(x=x, residual=res, weight=w, eps=eps)
+
+
+def _moe_inputs(s: dict[str, Any], dtype: torch.dtype, g: torch.Generator, region: str = "moe") -> dict[str, Any]:
     t, h, i, e, k = s["tokens"], s["hidden"], s["inter"], s["experts"], s["topk"]
     if s.get("one_hot"):
         x = torch.zeros(t, h)
@@ -205,7 +221,8 @@ def _moe_inputs(s: dict[str, Any], dtype: torch.dtype, g: torch.Generator) -> di
                 renormalize=s.get("renormalize", True))
 
 
-def _shared_inputs(s: dict[str, Any], dtype: torch.dtype, g: torch.Generator) -> dict[str, Any]:
+def _shared_inputs(s: dict[str, Any], dtype: torch.dtype, g: torch.Generator,
+                   region: str = "shared_expert") -> dict[str, Any]:
     t, h, i = s["tokens"], s["hidden"], s["inter"]
     x = _with_outliers(torch.randn(t, h, generator=g), g, 0.01, 10)
     w_gate_up = torch.randn(2 * i, h, generator=g) * (1.5 / h ** 0.5)
@@ -217,3 +234,9 @@ def _shared_inputs(s: dict[str, Any], dtype: torch.dtype, g: torch.Generator) ->
     residual = torch.randn(t, h, generator=g) * 0.5
     return dict(x=_act(x, dtype), w_gate_up=_act(w_gate_up, dtype), w_down=_act(w_down, dtype),
                 w_gate=_act(w_gate, dtype), routed=_act(routed, dtype), residual=_act(residual, dtype))
+
+
+# The input maker of each probed region and entry beside them (``maker(shape, dtype, generator,
+# region)``); a case of any other region is refused by name, never given another region's inputs.
+MAKERS = {"rope": _rope_inputs, "swiglu": _swiglu_inputs, "add_rmsnorm": _norm_inputs, "rmsnorm": _norm_inputs,
+          "moe": _moe_inputs, "shared_expert": _shared_inputs}

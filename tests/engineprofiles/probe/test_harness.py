@@ -224,3 +224,23 @@ def test_an_engine_without_a_shared_expert_records_it_unavailable_with_the_reaso
                         regions=["swiglu", "shared_expert"])
     assert not prof.available("shared_expert")
     assert prof.shared_expert.evidence.reason == "synthetic has no MoE shared expert probe"
+
+
+def test_every_probed_region_has_its_inputs_reference_and_engine_call_and_no_other_name_gets_anothers():
+    """One entry per region in the probe's tables (inputs.MAKERS, harness.PROBES); an unknown name is
+    refused by name (it once fell through to add_rmsnorm's inputs, reference and call)."""
+    from engineprofiles.errors import EngineProfilesError
+    from engineprofiles.probe.harness import PROBES, call_engine, reference_outputs
+    from engineprofiles.probe.inputs import MAKERS, Case
+    from engineprofiles.regions import BESIDE, REGIONS
+
+    # attention is fitted by its own probe (engineprofiles/probe/attention.py), not through these tables
+    assert set(MAKERS) == set(PROBES) == (set(REGIONS) | set(BESIDE)) - {"attention"}
+    case = Case("gelu", dict(tokens=3, hidden=64))
+    with pytest.raises(EngineProfilesError, match="no probe inputs for region 'gelu'"):
+        make_inputs(case, torch.bfloat16, 0)
+    inp = make_inputs(Case("add_rmsnorm", dict(tokens=3, hidden=64)), torch.bfloat16, 0)
+    with pytest.raises(EngineProfilesError, match="no probe for region 'gelu'"):
+        reference_outputs("gelu", REGIONS["add_rmsnorm"].all_points()[0], inp)
+    with pytest.raises(EngineProfilesError, match="no probe for region 'gelu'"):
+        call_engine("gelu", None, inp, "cpu")
