@@ -239,6 +239,31 @@ def check_decoder(d: Decoder, engine: str = "") -> None:
             "materialize the model first (model.to_empty(device=...) and load or initialize its weights), then apply "
             "the profile"
         )
+    layers, sparse = _check_layers(d)
+    _check_module(f"{p}.norm", m.norm, c["norm"], "final RMSNorm")
+    _check_module(f"{p}.rotary_emb", m.rotary_emb, c["rotary"], "rotary embedding")
+    cfg = m.config
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedModel(f"{p}: hidden_act is {act!r}; the SwiGLU region is silu(gate) * up (hidden_act 'silu')")
+    rot = m.rotary_emb
+    rope, scaling, params = _rope_of(d, engine, layers[0].self_attn.head_dim)
+    d.rope, d.layers, d.sparse = rope, layers, sparse
+    # HF's own RoPE computes the profile's engine's cos/sin when its FP32 inv_freq buffer holds their
+    # frequencies and the position is not scaled (linear scaling: HF divides the frequencies, vLLM and
+    # SGLang the position). ``model.to(torch.bfloat16)`` also rounds that buffer, and HF then rotates
+    # by rounded frequencies, which no engine does. Otherwise the model gets the emulator's RoPE
+    # (cos/sin computed as that engine does) even where HF's RoPE has the profile's rounding sites.
+    scales_position = rope.rope_type == "linear" and rope.linear_scales == "position"
+    # (HF's dynamic RoPE rescales its frequencies with the sequence length, the engines' never: not HF's own.)
+    d.inv_freq_exact = (not scales_position and scaling == rope.mscale and params.get("rope_type") != "dynamic"
+                        and rot.inv_freq.dtype == torch.float32
+                        and torch.equal(rot.inv_freq.detach().cpu(), rope.inv_freq()))
+
+
+def _check_layers(d: Decoder) -> tuple[list[torch.nn.Module], list[int]]:
+    """The decoder's layers, each checked to be the family's own modules; the indices of the sparse MoE ones."""
+    c, m, p = d.classes, d.module, d.path
     layers = list(m.layers)
     if not layers:
         raise UnsupportedModel(f"{p} has no decoder layers")
@@ -263,19 +288,19 @@ def check_decoder(d: Decoder, engine: str = "") -> None:
         if d.family.qk_norm:
             for n in ("q_norm", "k_norm"):
                 _check_module(f"{lp}.self_attn.{n}", getattr(layer.self_attn, n), c["norm"], "q/k RMSNorm")
-    _check_module(f"{p}.norm", m.norm, c["norm"], "final RMSNorm")
-    _check_module(f"{p}.rotary_emb", m.rotary_emb, c["rotary"], "rotary embedding")
-    cfg = m.config
-    act = getattr(cfg, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise UnsupportedModel(f"{p}: hidden_act is {act!r}; the SwiGLU region is silu(gate) * up (hidden_act 'silu')")
+    return layers, sparse
+
+
+def _rope_of(d: Decoder, engine: str, head_dim: int) -> tuple[RopeFrequencies, float, dict[str, Any]]:
+    """The profile's engine's RoPE frequencies for the decoder's rotary embedding and config, HF's cos/sin
+    scaling and the rope_parameters; refused where the rotary embedding does not follow them."""
+    m, p, cfg = d.module, d.path, d.module.config
     rot = m.rotary_emb
     scaling = float(getattr(rot, "attention_scaling", 1.0))
     params = dict(getattr(cfg, "rope_parameters", None) or {})
     if set(params) & {"full_attention", "sliding_attention"}:  # per-layer-type parameters (not these families)
         raise UnsupportedModel(f"{p}: per-layer-type rope_parameters are not supported")
     params.setdefault("rope_type", getattr(rot, "rope_type", "default"))
-    head_dim = layers[0].self_attn.head_dim
     rotary_dim = 2 * rot.inv_freq.numel()
     if rotary_dim != head_dim:
         raise UnsupportedModel(
@@ -296,14 +321,4 @@ def check_decoder(d: Decoder, engine: str = "") -> None:
         raise UnsupportedModel(
             f"{p}.rotary_emb: attention_scaling is {scaling}, but its rope_parameters give {hf_scale} (only YaRN "
             "folds a scaling into cos/sin); the model's rotary embedding does not follow its rope_parameters")
-    d.rope, d.layers, d.sparse = rope, layers, sparse
-    # HF's own RoPE computes the profile's engine's cos/sin when its FP32 inv_freq buffer holds their
-    # frequencies and the position is not scaled (linear scaling: HF divides the frequencies, vLLM and
-    # SGLang the position). ``model.to(torch.bfloat16)`` also rounds that buffer, and HF then rotates
-    # by rounded frequencies, which no engine does. Otherwise the model gets the emulator's RoPE
-    # (cos/sin computed as that engine does) even where HF's RoPE has the profile's rounding sites.
-    scales_position = rope.rope_type == "linear" and rope.linear_scales == "position"
-    # (HF's dynamic RoPE rescales its frequencies with the sequence length, the engines' never: not HF's own.)
-    d.inv_freq_exact = (not scales_position and scaling == rope.mscale and params.get("rope_type") != "dynamic"
-                        and rot.inv_freq.dtype == torch.float32
-                        and torch.equal(rot.inv_freq.detach().cpu(), rope.inv_freq()))
+    return rope, scaling, params
