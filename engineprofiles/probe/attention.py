@@ -121,6 +121,70 @@ class AttentionFit:
     shapes: list[str] = field(default_factory=list)
 
 
+class _Search:
+    """The coordinate and pair search of :func:`fit_attention` over the attention lattice, with every
+    point's score on ``samples`` memoized (``tried``) and the pair screen's on the first few (``screened``)."""
+
+    def __init__(self, samples: list[AttentionSample], passes: int, note: Callable[[str], None], pair_screen: int):
+        self.samples, self.passes, self.note = samples, passes, note
+        self.few = samples[:pair_screen]
+        self.tried: dict[Point, Score] = {}
+        self.screened: dict[Point, int] = {}
+
+    def run(self, p: Point) -> Score:
+        if p not in self.tried:
+            self.tried[p] = score(p, self.samples)
+        return self.tried[p]
+
+    def exact(self, p: Point) -> bool:
+        return self.tried[p].matched == self.tried[p].total
+
+    def coordinate(self, current: Point) -> Point:
+        for _ in range(self.passes):
+            changed = False
+            for c in ATTENTION_SPEC.choices:
+                best_p, best_s = current, self.run(current)
+                for o in c.options:
+                    p = current.replace(**{c.name: o})
+                    s = self.run(p)
+                    if s.matched > best_s.matched:
+                        best_p, best_s = p, s
+                if best_p != current:
+                    self.note(f"attention: {c.name} -> {best_p[c.name]} ({best_s.rate:.4%} of output elements match)")
+                    current = best_p
+                    changed = True
+            if not changed or self.exact(current):
+                break
+        return current
+
+    def pairs(self, current: Point) -> Point | None:
+        choices = ATTENTION_SPEC.choices
+        base = self.screened.setdefault(current, score(current, self.few).matched)
+        best, best_m = None, base
+        for i, a in enumerate(choices):
+            for b in choices[i + 1:]:
+                for oa in a.options:
+                    for ob in b.options:
+                        if oa == current[a.name] or ob == current[b.name]:
+                            continue
+                        p = current.replace(**{a.name: oa, b.name: ob})
+                        if p not in self.screened:
+                            self.screened[p] = score(p, self.few).matched
+                        if self.screened[p] > best_m:
+                            best, best_m = p, self.screened[p]
+        return best
+
+    def search(self, begin: Point) -> Point:
+        current = self.coordinate(begin)
+        while not self.exact(current):
+            cand = self.pairs(current)
+            if cand is None or self.run(cand).matched <= self.tried[current].matched:
+                break
+            self.note(f"attention: {cand.label()} changed together ({self.tried[cand].rate:.4%} of output elements match)")
+            current = self.coordinate(cand)
+        return current
+
+
 def fit_attention(samples: list[AttentionSample], *, start: Point = START, passes: int = 2,
                   note: Callable[[str], None] = lambda m: None, pair_screen: int = 3) -> AttentionFit:
     """Coordinate search: for each site and variant in turn, every option with the others fixed;
@@ -131,80 +195,27 @@ def fit_attention(samples: list[AttentionSample], *, start: Point = START, passe
     scored on all, and the coordinate search resumes from it while that improves the match."""
     if not samples:
         raise ValueError("fit_attention needs at least one captured attention call")
-    tried: dict[Point, Score] = {}
-    screened: dict[Point, int] = {}
-    few = samples[:pair_screen]
-
-    def run(p: Point) -> Score:
-        if p not in tried:
-            tried[p] = score(p, samples)
-        return tried[p]
-
-    def coordinate(current: Point) -> Point:
-        for _ in range(passes):
-            changed = False
-            for c in ATTENTION_SPEC.choices:
-                best_p, best_s = current, run(current)
-                for o in c.options:
-                    p = current.replace(**{c.name: o})
-                    s = run(p)
-                    if s.matched > best_s.matched:
-                        best_p, best_s = p, s
-                if best_p != current:
-                    note(f"attention: {c.name} -> {best_p[c.name]} ({best_s.rate:.4%} of output elements match)")
-                    current = best_p
-                    changed = True
-            if not changed or tried[current].matched == tried[current].total:
-                break
-        return current
-
-    def pairs(current: Point) -> Point | None:
-        choices = ATTENTION_SPEC.choices
-        base = screened.setdefault(current, score(current, few).matched)
-        best, best_m = None, base
-        for i, a in enumerate(choices):
-            for b in choices[i + 1:]:
-                for oa in a.options:
-                    for ob in b.options:
-                        if oa == current[a.name] or ob == current[b.name]:
-                            continue
-                        p = current.replace(**{a.name: oa, b.name: ob})
-                        if p not in screened:
-                            screened[p] = score(p, few).matched
-                        if screened[p] > best_m:
-                            best, best_m = p, screened[p]
-        return best
-
-    def search(begin: Point) -> Point:
-        current = coordinate(begin)
-        while tried[current].matched < tried[current].total:
-            cand = pairs(current)
-            if cand is None or run(cand).matched <= tried[current].matched:
-                break
-            note(f"attention: {cand.label()} changed together ({tried[cand].rate:.4%} of output elements match)")
-            current = coordinate(cand)
-        return current
-
-    current = search(start)
+    srch = _Search(samples, passes, note, pair_screen)
+    current = srch.search(start)
     # Short of a bitwise match, the search may sit in a local optimum: search again from each known
     # kernel's point and keep the best (a start is only where the search begins; scores decide).
     for name, begin in KERNEL_STARTS:
-        if tried[current].matched == tried[current].total:
+        if srch.exact(current):
             break
         if begin == start:
             continue
         note(f"attention: searching again from {name}'s point")
-        cand = search(begin)
-        if tried[cand].matched > tried[current].matched:
+        cand = srch.search(begin)
+        if srch.tried[cand].matched > srch.tried[current].matched:
             current = cand
     # Where the samples cannot tell the winner from a known kernel's point, that point is kept: it also
     # describes the kernel on inputs the probe did not try (the others stay listed as indistinguishable).
     for name, known in KERNEL_STARTS:
-        if known != current and run(known).matched == tried[current].matched:
-            note(f"attention: {name}'s point matches as many elements ({tried[known].rate:.4%}); keeping it")
+        if known != current and srch.run(known).matched == srch.tried[current].matched:
+            note(f"attention: {name}'s point matches as many elements ({srch.tried[known].rate:.4%}); keeping it")
             current = known
             break
-    fit = AttentionFit(current, tried[current], tried)
+    fit = AttentionFit(current, srch.tried[current], srch.tried)
     fit.shapes = sorted({s.shape for s in samples})
     return fit
 
