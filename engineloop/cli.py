@@ -408,37 +408,16 @@ def mismatch(
     (re-scored in one prefill, and the sampled tokens also decoded one at a time as the engine did);
     print the mismatch metrics (exact-match fraction first). --batch-check adds whether the engine's
     own log-probs are batch-invariant (with --exact, also exact mode against its batched decode runs)."""
-    import json
     import time
 
-    from engineprofiles.extras import require
+    from . import tables
 
-    from . import runner, tables
-
-    if engine not in ("vllm", "sglang"):
-        _fail(EngineProfilesError(f"mismatch runs vllm or sglang; got {engine!r}"))
-    if engine == "sglang" and mode not in ("default",):
-        _fail(EngineProfilesError(f"mismatch runs SGLang's CPU engine in its default mode only; got --mode {mode!r}"))
     size = _size(layers, hidden, intermediate, heads, kv_heads, head_dim)
-    # Everything that can be checked is checked before the engine runs (minutes).
-    try:
-        _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out,
-                            plot=plot, profile=profile, seed=seed)
-        if rope_scaling is not None:
-            from engineprofiles.names import check_rope_scaling_name
-
-            check_rope_scaling_name(rope_scaling)
-        if plot:
-            _check_binary_stdout(plot, "--plot", "the PNG")
-            tables.check_plot_available()
-        require("insitu", "probe-engine mismatch (the trainer side: HF models patched by the emulator)")
-        if allow_other_machine and not exact:
-            raise EngineProfilesError("--allow-other-machine concerns the exact rows: pass it with --exact")
-        prof = _check_profile_option(profile, engine, exact=exact, capture=capture)
-        if exact and prof is not None and capture is None:  # the trainer's machine, before the engine runs
-            from .mismatch import check_machine
-
-            check_machine(None, prof, allow_other_machine)
+    try:  # everything that can be checked is checked before the engine runs (minutes)
+        _check_mismatch_options(engine, family, size, capture=capture, save_capture=save_capture, prompts=prompts,
+                                max_tokens=max_tokens, prompt_len=prompt_len, mode=mode, json_out=json_out, plot=plot,
+                                profile=profile, seed=seed, rope_scaling=rope_scaling, exact=exact,
+                                allow_other_machine=allow_other_machine)
     except EngineProfilesError as e:
         _fail(e)
     from .mismatch import run_mismatch
@@ -458,6 +437,47 @@ def mismatch(
     rep.command = os.environ.get("ENGINEPROFILES_COMMAND") or shlex.join(["probe-engine", *sys.argv[1:]])
     _print_fitted(err if "-" in (json_out, plot) else out,  # stdout: the JSON or PNG alone
                   tables.mismatch_table(rep), tables.mismatch_table(rep, narrow=True))
+    _write_outputs(rep, json_out, plot)
+
+
+def _check_mismatch_options(engine: str, family: str, size: dict[str, int], *, capture, save_capture, prompts: int,
+                            max_tokens: int, prompt_len: int, mode: str, json_out, plot, profile, seed: int,
+                            rope_scaling, exact: bool, allow_other_machine: bool) -> None:
+    """``probe-engine mismatch``'s options, checked before the engine runs: EngineProfilesError for the first
+    that is wrong (exact mode's machine check included, where no capture is given)."""
+    from engineprofiles.extras import require
+
+    from . import tables
+
+    if engine not in ("vllm", "sglang"):
+        raise EngineProfilesError(f"mismatch runs vllm or sglang; got {engine!r}")
+    if engine == "sglang" and mode not in ("default",):
+        raise EngineProfilesError(f"mismatch runs SGLang's CPU engine in its default mode only; got --mode {mode!r}")
+    _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out,
+                        plot=plot, profile=profile, seed=seed)
+    if rope_scaling is not None:
+        from engineprofiles.names import check_rope_scaling_name
+
+        check_rope_scaling_name(rope_scaling)
+    if plot:
+        _check_binary_stdout(plot, "--plot", "the PNG")
+        tables.check_plot_available()
+    require("insitu", "probe-engine mismatch (the trainer side: HF models patched by the emulator)")
+    if allow_other_machine and not exact:
+        raise EngineProfilesError("--allow-other-machine concerns the exact rows: pass it with --exact")
+    prof = _check_profile_option(profile, engine, exact=exact, capture=capture)
+    if exact and prof is not None and capture is None:  # the trainer's machine, before the engine runs
+        from .mismatch import check_machine
+
+        check_machine(None, prof, allow_other_machine)
+
+
+def _write_outputs(rep, json_out, plot) -> None:
+    """The mismatch report's --json and --plot outputs (a file, or '-': stdout)."""
+    import json
+
+    from . import runner, tables
+
     try:
         if json_out:
             where = runner.write_output(json_out, json.dumps(rep.as_dict(), indent=2))
@@ -467,6 +487,7 @@ def mismatch(
             _say(err, f"wrote {where if where != 'stdout' else 'the PNG to stdout'}")
     except EngineProfilesError as e:
         _fail(e)
+
 
 
 def _size(layers, hidden, intermediate, heads, kv_heads, head_dim) -> dict[str, int]:
