@@ -240,3 +240,42 @@ def compare(expected: Profile, probed: Profile, name: str, path: str = "", now_n
 
 def _reason(p: Profile, region: str) -> str:
     return p.entry(region).evidence.reason or ""
+
+
+def load_named(args: list[str], note: Callable[[str], None]) -> list[tuple[str, object, Profile]]:
+    """``probe-engine check``'s arguments loaded: (the name to show and pass on, its file, the profile);
+    an engine spec (``vllm==0.32.0``) becomes the shipped profile it chooses, said through ``note``."""
+    from engineprofiles import store
+    from engineprofiles.schema import load_profile
+
+    loaded = []
+    for arg in args:
+        if store.names_engine(arg):
+            _, chosen = store.choose(arg)
+            name = chosen.candidate.name
+            note(f"{arg}: {name}")
+            path = store.resolve(name)
+        else:
+            name, path = arg, store.resolve(arg)
+        loaded.append((name, path, load_profile(path)))
+    return loaded
+
+
+def run_checks(loaded: list[tuple[str, object, Profile]], plans: list[tuple[str, Plan]], engine: str, version: str,
+               installed: Optional[str], where: str, progress: Callable[[str], None],
+               say: Callable[[str], None]) -> list[Outcome]:
+    """Re-probe each distinct plan once and compare every profile of it; an installed engine of another
+    version than the profiles' gives each an Outcome saying so (nothing probed)."""
+    if installed is not None and public_version(installed) != public_version(version):
+        e = InstalledVersionDiffers(engine, installed, version, where)
+        return [Outcome(name=n, path=str(path), reason=str(e)) for n, path, _ in loaded]
+    groups: dict = {}
+    for (name, path, p), (_, plan) in zip(loaded, plans):
+        groups.setdefault(plan, []).append((name, path, p))
+    outcomes = []
+    for plan, members in groups.items():
+        say(f"checking {', '.join(n for n, _, _ in members)}: re-probing {plan.describe()}")
+        probed = reprobe(plan, progress)
+        for name, path, p in members:
+            outcomes.append(compare(p, probed, name, str(path), f"{engine} {probed.engine.version} now"))
+    return outcomes

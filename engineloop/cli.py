@@ -259,71 +259,27 @@ def check(
     import time
 
     from engineprofiles import store
-    from engineprofiles.schema import load_profile
 
     from . import check as chk
     from . import runner
 
     if format not in ("table", "markdown", "json"):
         _fail(EngineProfilesError(f"--format must be table, markdown or json; got {format!r}"))
-    loaded = []  # (name to show and pass on, path, profile)
     try:
-        for arg in profiles:
-            if store.names_engine(arg):
-                _, chosen = store.choose(arg)
-                name = chosen.candidate.name
-                _say(err, f"{arg}: {name}")
-                path = store.resolve(name)
-            else:
-                name, path = arg, store.resolve(arg)
-            loaded.append((name, path, load_profile(path)))
+        loaded = chk.load_named(profiles, lambda m: _say(err, m))
         plans = [(n, chk.plan_for(p, n)) for n, _, p in loaded]
         engine, version = chk.one_engine(plans)
-        importable = runner.engine_importable(engine)
-        here = store.installed_version(engine) if importable else None
-        other_here = here is not None and chk.public_version(here) != chk.public_version(version)
-        if (env or not importable or (other_here and runner.environment_of(engine, version))) \
-                and not os.environ.get("ENGINEPROFILES_REEXEC"):
-            if env:
-                python = runner.find_engine_python(engine, env)
-            else:
-                python = runner.environment_of(engine, version)
-                if python is None:
-                    python = runner.find_engine_python(engine)
-                    _say(err, f"note: no {engine}-{version} environment in {runner.ENGINES_DIR}; trying "
-                              f"{python.parent.parent.name}")
-            argv = ["check", *(n for n, _, _ in loaded), "--format", format]
-            raise typer.Exit(runner.reexec_in(python, argv, lambda m: _say(err, m), codes=(0, 1, 2)))
-        if not runner.engine_importable(engine):
-            raise runner.EngineNotInstalled(
-                f"{engine} is not importable in {sys.executable}; make its environment with "
-                f"`{runner.install_hint(engine)}`")
+        _check_in_engine_env(engine, version, env, [n for n, _, _ in loaded], format)
         for _, plan in plans:
             _check_cuda(plan.device)
     except EngineProfilesError as e:
         _fail(e)
-
     t0 = time.perf_counter()
-
-    def progress(msg: str) -> None:
-        _say(err, f"  [{time.perf_counter() - t0:6.1f}s] {msg}")
-
-    outcomes: list = []
     installed = store.installed_version(engine)
     try:
-        if installed is not None and chk.public_version(installed) != chk.public_version(version):
-            raise chk.InstalledVersionDiffers(engine, installed, version, f"in {sys.executable}")
-        groups: dict = {}
-        for (name, path, p), (_, plan) in zip(loaded, plans):
-            groups.setdefault(plan, []).append((name, path, p))
-        for plan, members in groups.items():
-            _say(err, f"checking {', '.join(n for n, _, _ in members)}: re-probing {plan.describe()}", "bold")
-            probed = chk.reprobe(plan, progress)
-            for name, path, p in members:
-                outcomes.append(chk.compare(p, probed, name, str(path),
-                                            f"{engine} {probed.engine.version} now"))
-    except chk.InstalledVersionDiffers as e:
-        outcomes = [chk.Outcome(name=n, path=str(path), reason=str(e)) for n, path, _ in loaded]
+        outcomes = chk.run_checks(loaded, plans, engine, version, installed, f"in {sys.executable}",
+                                  lambda m: _say(err, f"  [{time.perf_counter() - t0:6.1f}s] {m}"),
+                                  lambda m: _say(err, m, "bold"))
     except EngineProfilesError as e:
         _fail(e)
     except Exception as e:  # a crash is exit 2, never 1 (which says the engine rounds differently)
@@ -336,6 +292,38 @@ def check(
     global _probe_done
     _probe_done = True
     raise typer.Exit(max(o.exit_code for o in outcomes))
+
+
+def _check_in_engine_env(engine: str, version: str, env: Optional[str], names: list[str], format: str) -> None:
+    """Run ``check`` again in the engine's environment where this process cannot probe the profiles'
+    engine (``--env`` given, the engine not importable here, or another version here while its own
+    environment exists): exits with that run's code. Raises where no environment has the engine."""
+    import sys
+
+    from engineprofiles import store
+
+    from . import check as chk
+    from . import runner
+
+    importable = runner.engine_importable(engine)
+    here = store.installed_version(engine) if importable else None
+    other_here = here is not None and chk.public_version(here) != chk.public_version(version)
+    if (env or not importable or (other_here and runner.environment_of(engine, version))) \
+            and not os.environ.get("ENGINEPROFILES_REEXEC"):
+        if env:
+            python = runner.find_engine_python(engine, env)
+        else:
+            python = runner.environment_of(engine, version)
+            if python is None:
+                python = runner.find_engine_python(engine)
+                _say(err, f"note: no {engine}-{version} environment in {runner.ENGINES_DIR}; trying "
+                          f"{python.parent.parent.name}")
+        argv = ["check", *names, "--format", format]
+        raise typer.Exit(runner.reexec_in(python, argv, lambda m: _say(err, m), codes=(0, 1, 2)))
+    if not runner.engine_importable(engine):
+        raise runner.EngineNotInstalled(
+            f"{engine} is not importable in {sys.executable}; make its environment with "
+            f"`{runner.install_hint(engine)}`")
 
 
 def _report_check(outcomes: list, engine: str, version: str, installed: Optional[str], format: str) -> None:
