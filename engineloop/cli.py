@@ -793,21 +793,16 @@ def _in_situ(engine: str, families: list[str], output: Optional[str], seed: int,
     exact mode with it on a model of random widths (engineloop.selfcheck). ``rope_scaling``: the tiny models' RoPE scaling
     (engineprofiles.models.ROPE_SCALINGS; None: default RoPE), checked against the captures'."""
     import sys
-    import tempfile
     import time
 
-    from engineprofiles import store
     from engineprofiles.extras import require
 
     try:
         require("insitu", "the in-situ fit (HF models patched by the emulator)")
     except EngineProfilesError as e:
         _fail(e)
-    from engineprofiles.models import tiny_model
-
     from . import runner, tables
-    from .fit import fit_attention_in_situ, fit_profiles, in_situ_profile
-    from .mismatch import load_capture, run_capture, save_model
+    from .fit import fit_attention_in_situ, fit_profiles, in_situ_pairs, in_situ_profile, in_situ_start
 
     t0 = time.perf_counter()
 
@@ -822,48 +817,11 @@ def _in_situ(engine: str, families: list[str], output: Optional[str], seed: int,
             )
         if mode not in ("default", "compiled", "eager"):
             raise EngineProfilesError(f"--mode must be default, compiled or eager for vllm; got {mode!r}")
-        if captures and len(captures) != len(families):
-            raise EngineProfilesError(f"{len(captures)} --capture file(s) for {len(families)} --family: give one "
-                                      "capture per family, in the same order")
         target, is_dir = runner.output_path(output, ship, [("a --capture file", c) for c in captures])
-        caps = [load_capture(c) for c in captures]
-        pairs = []
-        for i, family in enumerate(families):
-            cap = caps[i] if caps else None
-            if cap is not None and cap.get("family", family) != family:
-                raise EngineProfilesError(f"{captures[i]} was captured on a {cap['family']} model, not {family}")
-            if cap is not None and cap.get("rope_scaling") != rope_scaling:
-                got, want = (f"RoPE scaling {x}" if x else "default RoPE" for x in (cap.get("rope_scaling"), rope_scaling))
-                raise EngineProfilesError(f"{captures[i]} was captured on a model with {got}, not {want}")
-            model = tiny_model(family, seed=seed, rope_scaling=rope_scaling,
-                               **((cap or {}).get("model_size") or {})).eval()
-            if cap is None:
-                with tempfile.TemporaryDirectory() as tmp:
-                    save_model(model, Path(tmp) / "model")
-                    cap = run_capture(engine, Path(tmp) / "model", Path(tmp) / "cap.pt", prompts=prompts,
-                                      max_tokens=16, seed=seed, env=env, note=note,
-                                      mode="eager" if mode == "eager" else "default")
-                cap["family"], cap["rope_scaling"] = family, rope_scaling
-            pairs.append((family, model, cap))
-        cap = pairs[0][2]
-        version = cap["engine"]["version"]
-        cap_mode = cap["engine"].get("mode", "default")
-        for family, _, c in pairs[1:]:
-            if (c["engine"]["version"], c["engine"].get("mode", "default")) != (version, cap_mode):
-                raise EngineProfilesError(f"the {family} capture comes from {c['engine']['name']} {c['engine']['version']} "
-                                          f"({c['engine'].get('mode')}), the first from {version} ({cap_mode})")
-        for family, _, c in pairs:
-            if c["engine"]["name"] != engine:
-                raise EngineProfilesError(f"the {family} capture comes from {c['engine']['name']}, not {engine}")
-        execution = "inductor" if engine == "vllm" and cap_mode != "eager" else "eager"
-        start_name = f"{engine}-{version}-cpu-{execution}-bfloat16"
-        try:
-            start = store.get_profile(start_name)
-        except EngineProfilesError:
-            raise EngineProfilesError(
-                f"the in-situ fit starts from the op-level profile {start_name}; make it first with "
-                f"`scripts/probe.sh {engine} {version} --op-level --ship`"
-            ) from None
+        pairs = in_situ_pairs(engine, families, captures, seed=seed, prompts=prompts, mode=mode, env=env,
+                              rope_scaling=rope_scaling, note=note)
+        start = in_situ_start(engine, pairs[0][2])
+        start_name = start.canonical_name
         n = sum(len(c["sequences"]) for _, _, c in pairs)
         note(f"fitting in situ from {start_name} ({n} sequences of {', '.join(families)})")
         fit = fit_profiles(pairs, start, note=note)

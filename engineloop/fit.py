@@ -408,3 +408,63 @@ def attention_samples(capture: dict[str, Any]) -> list["AttentionSample"]:  # no
             mask = torch.arange(k.shape[0])[None, :] <= pos[:, None]
             out.append(AttentionSample(q, k, v, o, sc, "decode", mask=mask))
     return out
+
+
+def in_situ_pairs(engine: str, families: list[str], captures: list[str], *, seed: int, prompts: int, mode: str,
+                  env: str | None, rope_scaling: str | None, note) -> list[tuple[str, Any, dict[str, Any]]]:
+    """(family, tiny model, capture) for each family: the capture file given for it (``captures``, one per
+    family in order, checked against the family and RoPE scaling), else the engine run on the tiny model
+    now. Captures of another engine, version or mode than the first are refused."""
+    import tempfile
+    from pathlib import Path
+
+    from engineprofiles.errors import EngineProfilesError
+    from engineprofiles.models import tiny_model
+
+    from .mismatch import load_capture, run_capture, save_model
+
+    if captures and len(captures) != len(families):
+        raise EngineProfilesError(f"{len(captures)} --capture file(s) for {len(families)} --family: give one "
+                                  "capture per family, in the same order")
+    caps = [load_capture(c) for c in captures]
+    pairs = []
+    for i, family in enumerate(families):
+        cap = caps[i] if caps else None
+        if cap is not None and cap.get("family", family) != family:
+            raise EngineProfilesError(f"{captures[i]} was captured on a {cap['family']} model, not {family}")
+        if cap is not None and cap.get("rope_scaling") != rope_scaling:
+            got, want = (f"RoPE scaling {x}" if x else "default RoPE" for x in (cap.get("rope_scaling"), rope_scaling))
+            raise EngineProfilesError(f"{captures[i]} was captured on a model with {got}, not {want}")
+        model = tiny_model(family, seed=seed, rope_scaling=rope_scaling, **((cap or {}).get("model_size") or {})).eval()
+        if cap is None:
+            with tempfile.TemporaryDirectory() as tmp:
+                save_model(model, Path(tmp) / "model")
+                cap = run_capture(engine, Path(tmp) / "model", Path(tmp) / "cap.pt", prompts=prompts, max_tokens=16,
+                                  seed=seed, env=env, note=note, mode="eager" if mode == "eager" else "default")
+            cap["family"], cap["rope_scaling"] = family, rope_scaling
+        pairs.append((family, model, cap))
+    first = pairs[0][2]["engine"]
+    version, cap_mode = first["version"], first.get("mode", "default")
+    for family, _, c in pairs[1:]:
+        if (c["engine"]["version"], c["engine"].get("mode", "default")) != (version, cap_mode):
+            raise EngineProfilesError(f"the {family} capture comes from {c['engine']['name']} {c['engine']['version']} "
+                                      f"({c['engine'].get('mode')}), the first from {version} ({cap_mode})")
+    for family, _, c in pairs:
+        if c["engine"]["name"] != engine:
+            raise EngineProfilesError(f"the {family} capture comes from {c['engine']['name']}, not {engine}")
+    return pairs
+
+
+def in_situ_start(engine: str, capture: dict[str, Any]) -> "Profile":  # noqa: F821
+    """The shipped op-level profile an in-situ fit starts from: the capture's engine version and mode."""
+    from engineprofiles import store
+    from engineprofiles.errors import EngineProfilesError
+    from engineprofiles.names import op_level_name
+
+    version, mode = capture["engine"]["version"], capture["engine"].get("mode", "default")
+    name = op_level_name(engine, version, "eager" if mode == "eager" else "default")
+    try:
+        return store.get_profile(name)
+    except EngineProfilesError:
+        raise EngineProfilesError(f"the in-situ fit starts from the op-level profile {name}; make it first with "
+                                  f"`scripts/probe.sh {engine} {version} --op-level --ship`") from None

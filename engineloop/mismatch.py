@@ -114,8 +114,9 @@ def default_profile_name(engine: str, version: str, mode: str = "default") -> st
     try:
         return select([c for _, c in store.candidates()[0]], wanted).name
     except ProfileNotFound:
-        execution = "inductor" if engine == "vllm" and mode != "eager" else "eager"
-        return f"{engine}-{version}-cpu-{execution}-bfloat16"
+        from engineprofiles.names import op_level_name
+
+        return op_level_name(engine, version, mode)
 
 
 def combine(base: Profile, other: Profile, regions: tuple[str, ...]) -> Profile:

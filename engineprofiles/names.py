@@ -40,6 +40,19 @@ DEVICE_PATTERN = r"cpu|cuda(:[0-9]+)?"
 SAFE_NAME = r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}"
 
 
+def execution_mode(engine: str, mode: str = "default") -> str:
+    """The execution mode a profile of ``engine`` run in ``mode`` records (``default``: the engine's
+    default mode): ``execution_mode("vllm") == "inductor"``."""
+    return EXECUTION_MODES[engine][DEFAULT_MODES[engine] if mode == "default" else mode]
+
+
+def op_level_name(engine: str, version: str, mode: str = "default", dtype: str = "bfloat16",
+                  backend: str = "cpu") -> str:
+    """The name of the op-level profile of ``engine`` ``version`` in ``mode`` (Profile.canonical_name's
+    rule, without a capability suffix)."""
+    return f"{engine}-{version}-{backend}-{execution_mode(engine, mode)}-{dtype}"
+
+
 def check_region_name(name: str) -> str:
     if name not in REGION_NAMES:
         raise PointError(f"unknown region {name!r}; regions are {', '.join(REGION_NAMES)}")
