@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -154,7 +155,7 @@ def _check_machine(model: torch.nn.Module, profile: Profile, allow_other_machine
               "follow the machine, so exact mode would not reproduce its bits here")
     if allow_other_machine:
         warnings.warn(what + " (allow_other_machine=True: exact mode runs the profile's point anyway)",
-                      MachineMismatch, stacklevel=4)
+                      MachineMismatch, stacklevel=5)
         return
     raise ExactModeUnavailable(
         what + f". Probe the engine on this machine (`{probe_command(profile.engine.name)}`, or "
@@ -180,7 +181,7 @@ def _check_rows(model: torch.nn.Module, profile: Profile, allow_other_machine: b
         f"GEMM ({'; '.join(bad[:3])}{f'; and {len(bad) - 3} more' if len(bad) > 3 else ''}): exact mode reproduces "
         "the engine only where a forward has the engine's token batching (a prompt as the engine prefilled it, each "
         "decode step alone); a padded batch or a prompt scored with its completion will not", InexactEvidence,
-        stacklevel=5)
+        stacklevel=6)
 
 
 def _check_exact(model: torch.nn.Module, decoders: list[Decoder], profile: Profile,
@@ -211,13 +212,13 @@ def _check_exact(model: torch.nn.Module, decoders: list[Decoder], profile: Profi
             f"profile {profile.canonical_name}: its self-check, on a model of widths the fit never saw ({sc.model}), "
             f"did not reproduce every token in exact mode ({sc.rows()}): exact mode may not be bit-exact on this "
             "model's widths either; `probe-engine mismatch ENGINE --exact` with the model's widths measures it",
-            InexactEvidence, stacklevel=3)
+            InexactEvidence, stacklevel=4)
     rate = profile.attention.evidence.match_rate
     if rate is not None and rate < 1.0:
         warnings.warn(
             f"profile {profile.canonical_name}: its attention point matched the engine on {rate:.4%} of the probed "
             "elements, not all; exact mode computes that point, so it cannot be bit-exact to this engine",
-            InexactEvidence, stacklevel=3)
+            InexactEvidence, stacklevel=4)
     _check_machine(model, profile, allow_other_machine)
     return profile.point("attention")
 
@@ -239,7 +240,7 @@ def _check_device(model: torch.nn.Module, profile: Profile) -> None:
             f"reproduces that engine's rounding on {profile.engine.backend}, and the engine on {here} may round "
             f"elsewhere. Probe the engine on {here} (probe-engine ENGINE --device {here}) and apply that profile, or "
             "choose by engine name (apply_profile(model, 'vllm')); warnings.simplefilter('error', CapabilityMismatch) "
-            "makes this an error", CapabilityMismatch, stacklevel=3)
+            "makes this an error", CapabilityMismatch, stacklevel=5)
 
 
 def _model_dtype(model: torch.nn.Module) -> str | None:
@@ -341,19 +342,55 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     split depends on the call's shape: a forward of one query over a KV cache reproduces a decode
     step; a forward of the whole sequence reproduces the engine's prefill of it. None (default): no
     row is split (``VLLM_CPU_ATTN_SPLIT_KV=0``, or one thread)."""
-    if kv_split is not None:
-        if isinstance(kv_split, int) and not isinstance(kv_split, bool):
-            if kv_split < 1:
-                raise InputError(f"apply_profile: kv_split is the engine's thread count, a positive integer; got {kv_split}")
-            kv_split = KVSplit(threads=kv_split)
-        if not isinstance(kv_split, KVSplit):
-            raise InputError(f"apply_profile: kv_split must be the engine's thread count (int), a KVSplit or None; "
-                             f"got {type(kv_split).__name__}")
-        if not exact:
-            raise InputError("apply_profile: kv_split is part of exact mode's attention; pass exact=True with it")
-    if allow_other_machine and not exact:
-        raise InputError("apply_profile: allow_other_machine concerns exact mode's claim on this machine; pass "
-                         "exact=True with it (the regions alone make no claim about the machine)")
+    plan = plan_patch(model, profile, skip_native=skip_native, exact=exact, record=record, kv_split=kv_split,
+                      allow_other_machine=allow_other_machine)
+    return _apply_plan(model, plan)
+
+
+@dataclass
+class PatchPlan:
+    """Every decision of a patch, computed once from one resolved profile and the live model, before
+    anything changes (:func:`plan_patch`); :func:`_apply_plan` carries it out. ``emulate``: per region,
+    whether the emulator's forward replaces HF's; ``attention``: whether the attention forward is bound
+    (for the emulator's RoPE, exact mode or mixed precision); ``points``: the regions' points as the
+    profile writes them."""
+
+    profile: Profile
+    act: torch.dtype
+    decoders: list[Decoder]
+    points: dict[str, Point]
+    emulate: dict[str, bool]
+    attention: bool
+    emulated: tuple[str, ...]
+    native: tuple[str, ...]
+    exact: bool
+    skip_native: bool
+    record: bool
+    exact_point: Point | None = None
+    moe_point: Point | None = None
+    shared_point: Point | None = None
+    kv_split: KVSplit | None = None
+    norm_backend: str | None = None
+
+
+def _kv_split_of(kv_split: KVSplit | int | None, exact: bool) -> KVSplit | None:
+    if kv_split is None:
+        return None
+    if isinstance(kv_split, int) and not isinstance(kv_split, bool):
+        if kv_split < 1:
+            raise InputError(f"apply_profile: kv_split is the engine's thread count, a positive integer; got {kv_split}")
+        kv_split = KVSplit(threads=kv_split)
+    if not isinstance(kv_split, KVSplit):
+        raise InputError(f"apply_profile: kv_split must be the engine's thread count (int), a KVSplit or None; "
+                         f"got {type(kv_split).__name__}")
+    if not exact:
+        raise InputError("apply_profile: kv_split is part of exact mode's attention; pass exact=True with it")
+    return kv_split
+
+
+def _resolve(model: torch.nn.Module, profile: Profile | str) -> tuple[Profile, list[Decoder]]:
+    """The profile (a shipped name or engine spec chosen for the model's dtype and device) and the
+    model's decoders, all of one supported family."""
     if not isinstance(model, torch.nn.Module):
         raise UnsupportedModel(
             f"apply_profile patches a model (a torch.nn.Module: a HF transformers {families_text()}); "
@@ -365,7 +402,6 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     prof = get_profile(profile, dtype=_model_dtype(model), device=_model_device(model))
     if not (isinstance(profile, str) and names_engine(profile)):  # (choosing by engine name warns itself)
         _check_device(model, prof)
-    act = ACT_DTYPES[prof.dtype]
     decoders = find_decoders(model)
     if not decoders:
         raise UnsupportedModel(
@@ -374,6 +410,20 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     families = {d.family.name for d in decoders}
     if len(families) > 1:
         raise UnsupportedModel(f"{type(model).__name__} mixes decoder families ({', '.join(sorted(families))})")
+    return prof, decoders
+
+
+def plan_patch(model: torch.nn.Module, profile: Profile | str, *, skip_native: bool = True, exact: bool = False,
+               record: bool = False, kv_split: KVSplit | int | None = None,
+               allow_other_machine: bool = False) -> PatchPlan:
+    """Every check of :func:`apply_profile` and every decision it takes, with nothing changed: the
+    :class:`PatchPlan` (what would be emulated, native, bound), or the refusal it would raise."""
+    kv_split = _kv_split_of(kv_split, exact)
+    if allow_other_machine and not exact:
+        raise InputError("apply_profile: allow_other_machine concerns exact mode's claim on this machine; pass "
+                         "exact=True with it (the regions alone make no claim about the machine)")
+    prof, decoders = _resolve(model, profile)
+    act = ACT_DTYPES[prof.dtype]
     points = _regions(prof)
     mixed = False
     for d in decoders:
@@ -387,7 +437,6 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
         raise ExactModeUnavailable(
             f"kv_split models vLLM's CPU attention scheduler; profile {prof.canonical_name} is of "
             f"{prof.engine.name} on {prof.engine.backend}")
-
     fam = decoders[0].family
     # FP32 master weights (mixed precision): HF's own modules do not round as with weights stored in the
     # activation dtype (e.g. its norm multiplies by the FP32 weight), so every region is emulated.
@@ -400,30 +449,32 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     # Qwen3's q/k norms handing FP32 on need the emulator's RoPE, which takes FP32 input.
     qk_fp32 = fam.qk_norm and emulate["rmsnorm"] and points["rmsnorm"]["output"] == FP32
     attention = emulate["rope"] or qk_fp32 or not all(d.inv_freq_exact for d in decoders) or exact or mixed
-    handle = PatchHandle(
-        model, prof, fam,
-        emulated=tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention))
-        + (("attention",) if exact else ()) + beside,
-        native=tuple(r for r in REGIONS if not (emulate[r] or (r == "rope" and attention))),
-    )
-    handle.exact = exact
-    handle.kv_split = kv_split
-    handle.skip_native = skip_native
     # Exact mode for an engine that compiled its regions with Inductor: the norms' FP32 reduction
     # in Inductor's order (the other regions have none). On CPU, where that engine ran.
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     norm_backend = "reference-inductor" if exact and prof.engine.execution_mode == "inductor" and on_cpu else None
     if norm_backend:
         emulate = dict(emulate, rmsnorm=True, add_rmsnorm=True)
-        handle.emulated = tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention)) + ("attention",) \
-            + beside
-        handle.native = tuple(r for r in handle.native if r not in ("rmsnorm", "add_rmsnorm"))
-    handle.norm_backend = norm_backend
-    raw = {r: prof.point(r) for r in REGIONS}  # as the profile writes them (the forwards compute these)
+    emulated = tuple(r for r in REGIONS if emulate[r] or (r == "rope" and attention))
+    return PatchPlan(
+        profile=prof, act=act, decoders=decoders, points={r: prof.point(r) for r in REGIONS}, emulate=emulate,
+        attention=attention, emulated=emulated + (("attention",) if exact else ()) + beside,
+        native=tuple(r for r in REGIONS if r not in emulated), exact=exact, skip_native=skip_native, record=record,
+        exact_point=exact_point, moe_point=moe_point, shared_point=shared_point, kv_split=kv_split,
+        norm_backend=norm_backend)
+
+
+def _apply_plan(model: torch.nn.Module, plan: PatchPlan) -> PatchHandle:
+    """Carry out ``plan``: bind the forwards of every decoder, hook what must be refused or checked,
+    and record the patch; a failure part way leaves the model as it was."""
+    prof = plan.profile
+    handle = PatchHandle(model, prof, plan.decoders[0].family, emulated=plan.emulated, native=plan.native)
+    handle.exact, handle.kv_split, handle.skip_native = plan.exact, plan.kv_split, plan.skip_native
+    handle.norm_backend = plan.norm_backend
     try:
-        for d in decoders:
-            _patch_decoder(handle, d, raw, act, emulate, attention, exact_point, norm_backend, moe_point, shared_point,
-                           kv_split)
+        for d in plan.decoders:
+            _patch_decoder(handle, d, plan.points, plan.act, plan.emulate, plan.attention, plan.exact_point,
+                           plan.norm_backend, plan.moe_point, plan.shared_point, plan.kv_split)
             if handle.native:  # torch.compile is refused (guard.py), wherever it starts; eagerly nothing more is needed
                 refuse = refusal_hook(native_message(handle.native, prof.canonical_name))
                 for mod in _region_modules(d):
@@ -440,7 +491,7 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
         if not handle.native:
             handle._undo.append(hold_eager_numerics())
             handle._holds_numerics = True
-        if record:
+        if plan.record:
             from .entry import record as record_in_config
 
             record_in_config(handle)

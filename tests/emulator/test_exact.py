@@ -180,9 +180,10 @@ def test_a_profile_whose_attention_evidence_is_not_bitwise_is_a_clear_warning(tm
     path = tmp_path / "inexact.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     assert get_profile(str(path)).attention.evidence.match_rate < 1.0
-    with pytest.warns(InexactEvidence, match="cannot be bit-exact"):
+    with pytest.warns(InexactEvidence, match="cannot be bit-exact") as w:
         h = emulator.apply_profile(tiny_model("qwen2", seed=0), str(path), exact=True)
     h.remove()
+    assert all(x.filename == __file__ for x in w if issubclass(x.category, InexactEvidence))  # the caller's line
 
 
 @pytest.mark.parametrize("change,named", [
@@ -207,9 +208,10 @@ def test_exact_mode_refuses_a_profile_of_another_machine_and_changes_nothing(cha
     assert_untouched(model, before)
     assert emulator.handle_of(model) is None
     # the explicit override: a warning naming the same difference, and the model is patched
-    with pytest.warns(MachineMismatch, match=named):
+    with pytest.warns(MachineMismatch, match=named) as w:
         h = emulator.apply_profile(model, prof, exact=True, allow_other_machine=True)
     h.remove()
+    assert all(x.filename == __file__ for x in w if issubclass(x.category, MachineMismatch))  # the caller's line
     # the regions alone make no claim about the machine's attention or GEMMs: no refusal, and no override
     emulator.apply_profile(model, prof).remove()
     with pytest.raises(InputError, match="pass exact=True with it"):
@@ -608,8 +610,9 @@ def test_a_padded_batch_of_mixed_lengths_gives_each_row_its_bits_alone_or_is_ref
     model = tiny_model(family, seed=seed, **random_widths(rng))
     variant = row_variant_linears(model, torch.bfloat16)
     if variant:  # said, and no padded batch can be claimed here
-        with pytest.warns(InexactEvidence, match="how many tokens share the GEMM"):
+        with pytest.warns(InexactEvidence, match="how many tokens share the GEMM") as w:
             emulator.apply_profile(model, HERE, exact=True).remove()
+        assert all(x.filename == __file__ for x in w if "share the GEMM" in str(x.message))  # the caller's line
         return
     lengths = sorted(rng.sample(range(3, 40), 3))
     g = torch.Generator().manual_seed(seed)
