@@ -528,7 +528,6 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                                    note=note, mode=mode, prompt_len=prompt_len, batch_check=batch_check,
                                    rope_scaling=rope_scaling)
     from emulator.patching import FAMILIES as EMULATED_FAMILIES
-    from emulator.patching import apply_profile
 
     eng = cap["engine"]
     prof_name, prof, warnings = engine_profile(engine, cap, profile, capture_file=capture_file, mode=mode, exact=exact)
@@ -557,94 +556,17 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     seqs = cap["sequences"]
     le = torch.tensor([x for s in seqs for x in s["sample_logprobs"]], dtype=torch.float32)
     lpre = torch.tensor([x for s in seqs for x in s["prompt_logprobs"][1:]], dtype=torch.float32)
+    exact_kw = dict(exact=True, kv_split=kv_split, allow_other_machine=allow_other_machine)
     for label, p, ex in variants:
         note(f"trainer: {label}")
-        handle = apply_profile(model, p, exact=ex, kv_split=kv_split if ex else None,
-                               allow_other_machine=allow_other_machine and ex) if p is not None else None
-        try:
-            samp, full = zip(*(sequence_logprobs(model, s) for s in seqs))
-        finally:
-            if handle is not None:
-                handle.remove()
+        samp, full = zip(*_patched(model, p, lambda: [sequence_logprobs(model, s) for s in seqs],
+                                   **(exact_kw if ex else {})))
         report.rows.append((label, mismatch(le, torch.cat(samp))))
         report.prefill_rows.append((label, mismatch(lpre, torch.cat(full))))
     if exact:
-        # The sampled tokens re-scored as the engine produced them (decode steps), not in one prefill.
-        # An engine whose sampler takes its log-probs by another formula (SGLang: log(softmax(x))) says so in
-        # its capture: that row too.
-        sampler = eng.get("decode_logprob_formula")
-        formulas = ("log_softmax",) + ((sampler,) if sampler in LOGPROB_FORMULAS and sampler != "log_softmax" else ())
-        note("trainer: exact, decoded")
-        handle = apply_profile(model, prof, exact=True, kv_split=kv_split, allow_other_machine=allow_other_machine)
-        try:
-            per_seq = [decoded_logprobs(model, s, formulas) for s in seqs]
-        finally:
-            handle.remove()
-        report.rows.append(("exact, decoded", mismatch(le, torch.cat([d[0] for d in per_seq]))))
-        if kv_split is not None:
-            # one forward per sequence, as a trainer scores it, with the completion's rows split as the engine's
-            # decode steps split them (emulator.as_sampled)
-            from emulator import as_sampled
-
-            note("trainer: exact, one forward as sampled")
-            handle = apply_profile(model, prof, exact=True, kv_split=kv_split, allow_other_machine=allow_other_machine)
-            try:
-                samp = []
-                for s in seqs:
-                    with as_sampled(len(s["prompt"])):
-                        samp.append(sequence_logprobs(model, s)[0])
-            finally:
-                handle.remove()
-            report.rows.append(("exact, one forward as sampled", mismatch(le, torch.cat(samp))))
-        if len(formulas) > 1:
-            report.rows.append(("exact, decoded, engine's log-prob formula",
-                                mismatch(le, torch.cat([d[1] for d in per_seq]))))
-    # Diagnosis: with the profile and the engine's own attention outputs (teacher forced), what is
-    # left is everything outside attention: if this row is exact, attention explains the rest.
-    if all(lay is not None for s in seqs for lay in s["layers"]):
-        from emulator.functional import use_backend
-
-        from .fit import teacher_forced_logprobs
-
-        handle = apply_profile(model, prof)
-        # the trainer's norms as the in-situ fit and exact mode run them for an Inductor engine
-        backend = "reference-inductor" if prof.engine.execution_mode == "inductor" else "reference"
-        try:
-            with use_backend(backend):
-                full = torch.cat([teacher_forced_logprobs(model, s) for s in seqs])
-        finally:
-            handle.remove()
-        report.prefill_rows.append(("+ profile + engine attention", mismatch(lpre, full)))
-    # An engine whose prompt log-probs are not log_softmax (SGLang: (x - max) - logsumexp(x - max)) says so
-    # in its capture: the exact trainer's logits through the engine's own formula show what is left.
-    formula = eng.get("logprob_formula")
-    if exact and formula in LOGPROB_FORMULAS:
-        handle = apply_profile(model, prof, exact=True, kv_split=kv_split, allow_other_machine=allow_other_machine)
-        try:
-            full = torch.cat([sequence_logprobs(model, s, formula)[1] for s in seqs])
-        finally:
-            handle.remove()
-        report.prefill_rows.append(("exact, engine's log-prob formula", mismatch(lpre, full)))
-    dec = torch.tensor([x for sq in seqs for x in sq["sample_logprobs"]], dtype=torch.float32)
-    pre = torch.tensor([x for sq in seqs for x in sq["prompt_logprobs"][len(sq["prompt"]):]], dtype=torch.float32)
-    if dec.numel() and dec.shape == pre.shape:
-        report.engine_decode_equals_prefill = float((dec == pre).float().mean())
-        if report.engine_decode_equals_prefill < 1.0:
-            split = eng.get("attention", {}).get("split_kv")
-            why = eng.get("decode_logprobs_note")
-            report.warnings.append(
-                f"the engine's own decode and prefill log-probs of the sampled tokens agree on only "
-                f"{report.engine_decode_equals_prefill:.2%} of them: no single trainer forward can match both (a "
-                "re-score in one prefill matches the prefill; --exact also decodes the sampled tokens one at a time "
-                "as the engine did: row 'exact, decoded')"
-                + (" (vLLM's CPU attention splits long decode contexts across threads with VLLM_CPU_ATTN_SPLIT_KV=1; "
-                   f"exact mode splits them as it did, from the {kv_split.threads} threads the capture records, and "
-                   "row 'exact, one forward as sampled' scores each sequence in one forward with its completion rows "
-                   "split as the decode steps were: emulator.as_sampled)"
-                   if split and kv_split is not None else
-                   " (vLLM's CPU attention splits long decode contexts across threads with VLLM_CPU_ATTN_SPLIT_KV=1; "
-                   "--exact splits them as it did)" if split else "")
-                + (f" ({why})" if why else ""))
+        _exact_rows(report, model, prof, eng, seqs, le, exact_kw, note)
+    _diagnosis_rows(report, model, prof, eng, seqs, lpre, exact_kw if exact else None)
+    _decode_against_prefill(report, eng, seqs, kv_split)
     if batch_check:
         report.batch_check = batch_invariance(cap)
         if exact:  # with split-KV off as_sampled changes nothing: then exact mode against a batch-invariant engine
@@ -662,6 +584,101 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                    "completion_lengths); with --exact, the batch check's exact rows)"
                    if split else ""))
     return report
+
+
+def _patched(model, prof: Profile | None, fn: Callable[[], Any], **kw: Any) -> Any:
+    """``fn()`` with ``model`` patched by ``prof`` (apply_profile's options ``kw``; None: as it is)."""
+    from emulator.patching import apply_profile
+
+    handle = apply_profile(model, prof, **kw) if prof is not None else None
+    try:
+        return fn()
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _exact_rows(report: Report, model, prof: Profile, eng: dict[str, Any], seqs: list[dict[str, Any]],
+                le: torch.Tensor, exact_kw: dict[str, Any], note: Callable[[str], None]) -> None:
+    """The sampled tokens re-scored as the engine produced them (decode steps), not in one prefill; with
+    split-KV, each sequence in one forward as sampled. An engine whose sampler takes its log-probs by
+    another formula (SGLang: log(softmax(x))) says so in its capture: that row too."""
+    sampler = eng.get("decode_logprob_formula")
+    formulas = ("log_softmax",) + ((sampler,) if sampler in LOGPROB_FORMULAS and sampler != "log_softmax" else ())
+    note("trainer: exact, decoded")
+    per_seq = _patched(model, prof, lambda: [decoded_logprobs(model, s, formulas) for s in seqs], **exact_kw)
+    report.rows.append(("exact, decoded", mismatch(le, torch.cat([d[0] for d in per_seq]))))
+    if exact_kw["kv_split"] is not None:
+        # one forward per sequence, as a trainer scores it, with the completion's rows split as the engine's
+        # decode steps split them (emulator.as_sampled)
+        from emulator import as_sampled
+
+        def as_sampled_rows() -> list[torch.Tensor]:
+            rows = []
+            for s in seqs:
+                with as_sampled(len(s["prompt"])):
+                    rows.append(sequence_logprobs(model, s)[0])
+            return rows
+
+        note("trainer: exact, one forward as sampled")
+        samp = _patched(model, prof, as_sampled_rows, **exact_kw)
+        report.rows.append(("exact, one forward as sampled", mismatch(le, torch.cat(samp))))
+    if len(formulas) > 1:
+        report.rows.append(("exact, decoded, engine's log-prob formula", mismatch(le, torch.cat([d[1] for d in per_seq]))))
+
+
+def _diagnosis_rows(report: Report, model, prof: Profile, eng: dict[str, Any], seqs: list[dict[str, Any]],
+                    lpre: torch.Tensor, exact_kw: dict[str, Any] | None) -> None:
+    """With the profile and the engine's own attention outputs (teacher forced), what is left is everything
+    outside attention: if that row is exact, attention explains the rest. An engine whose prompt log-probs
+    are not log_softmax (SGLang: (x - max) - logsumexp(x - max)) says so in its capture: with exact mode
+    (``exact_kw``), the exact trainer's logits through the engine's own formula show what is left."""
+    if all(lay is not None for s in seqs for lay in s["layers"]):
+        from emulator.functional import use_backend
+
+        from .fit import teacher_forced_logprobs
+
+        # the trainer's norms as the in-situ fit and exact mode run them for an Inductor engine
+        backend = "reference-inductor" if prof.engine.execution_mode == "inductor" else "reference"
+
+        def forced() -> torch.Tensor:
+            with use_backend(backend):
+                return torch.cat([teacher_forced_logprobs(model, s) for s in seqs])
+
+        report.prefill_rows.append(("+ profile + engine attention", mismatch(lpre, _patched(model, prof, forced))))
+    formula = eng.get("logprob_formula")
+    if exact_kw is not None and formula in LOGPROB_FORMULAS:
+        full = _patched(model, prof, lambda: torch.cat([sequence_logprobs(model, s, formula)[1] for s in seqs]),
+                        **exact_kw)
+        report.prefill_rows.append(("exact, engine's log-prob formula", mismatch(lpre, full)))
+
+
+def _decode_against_prefill(report: Report, eng: dict[str, Any], seqs: list[dict[str, Any]],
+                            kv_split: KVSplit | None) -> None:
+    """Whether the engine's own decode log-probs of the sampled tokens equal its prefill's (a warning,
+    naming the split-KV decode where that explains it, when they do not)."""
+    dec = torch.tensor([x for sq in seqs for x in sq["sample_logprobs"]], dtype=torch.float32)
+    pre = torch.tensor([x for sq in seqs for x in sq["prompt_logprobs"][len(sq["prompt"]):]], dtype=torch.float32)
+    if not (dec.numel() and dec.shape == pre.shape):
+        return
+    report.engine_decode_equals_prefill = float((dec == pre).float().mean())
+    if report.engine_decode_equals_prefill == 1.0:
+        return
+    split = eng.get("attention", {}).get("split_kv")
+    why = eng.get("decode_logprobs_note")
+    report.warnings.append(
+        f"the engine's own decode and prefill log-probs of the sampled tokens agree on only "
+        f"{report.engine_decode_equals_prefill:.2%} of them: no single trainer forward can match both (a "
+        "re-score in one prefill matches the prefill; --exact also decodes the sampled tokens one at a time "
+        "as the engine did: row 'exact, decoded')"
+        + (" (vLLM's CPU attention splits long decode contexts across threads with VLLM_CPU_ATTN_SPLIT_KV=1; "
+           f"exact mode splits them as it did, from the {kv_split.threads} threads the capture records, and "
+           "row 'exact, one forward as sampled' scores each sequence in one forward with its completion rows "
+           "split as the decode steps were: emulator.as_sampled)"
+           if split and kv_split is not None else
+           " (vLLM's CPU attention splits long decode contexts across threads with VLLM_CPU_ATTN_SPLIT_KV=1; "
+           "--exact splits them as it did)" if split else "")
+        + (f" ({why})" if why else ""))
 
 
 def batch_exact_rows(model, prof: Profile, kv_split: KVSplit | None, cap: dict[str, Any],
