@@ -227,54 +227,11 @@ def select(candidates: Sequence[Candidate], wanted: Wanted, *, where: str = "") 
     Raises :class:`UnknownEngine` for an engine no candidate has and no adapter knows, and
     :class:`NoMatchingProfile` when no candidate of the engine fits what must match."""
     w = wanted
-    pool = [c for c in candidates if c.engine == w.engine]
-    if not pool:
-        engines = sorted({c.engine for c in candidates})
-        if w.engine not in KNOWN_ENGINES:
-            names = ", ".join(sorted(c.name for c in candidates)) or "none"
-            raise UnknownEngine(
-                f"no profile file, shipped profile or engine named {w.engine!r}; engines with profiles{where}: "
-                f"{', '.join(engines) or 'none'} (probe-engine probes {', '.join(KNOWN_ENGINES)}); profiles: {names}. "
-                f"Name a profile by engine as {SPEC_SYNTAX}, e.g. vllm, vllm==0.32.0 or vllm:eager"
-            )
-        raise NoMatchingProfile(
-            f"no {w.engine} profile{where} (profiles there are of: {', '.join(engines) or 'none'}); "
-            f"probe it with `probe-engine {w.engine}`"
-        )
-    reasons: list[str] = []
-    mismatches: list[tuple[type[MismatchedProfile], str]] = []
-
-    # -- must match: mode, dtype, an asked version ----------------------------------------------------
-    mode, why = execution_mode(w.engine, w.mode)
-    if mode is not None:
-        fit = [c for c in pool if c.mode == mode]
-        if not fit:
-            choices = ", ".join(sorted(EXECUTION_MODES.get(w.engine, {}))) or "the modes listed"
-            raise NoMatchingProfile(
-                f"no {w.engine} profile{where} in execution mode {mode} ({why}); {w.engine} profiles there are "
-                f"in mode {_listing([c.mode for c in pool])}: ask for one with '{w.engine}:MODE' ({choices}), or probe "
-                f"this mode (`probe-engine {w.engine} --mode ...`)"
-            )
-        pool = fit
-    reasons.append(f"mode {mode} ({why})" if mode is not None else why)
-
-    if w.dtype is not None:
-        fit = [c for c in pool if c.dtype == w.dtype]
-        if not fit:
-            todo = (f"or probe the engine with `--dtype {w.dtype}`" if w.dtype in ACT_DTYPE_NAMES else
-                    f"profiles are measured in activation dtypes ({', '.join(ACT_DTYPE_NAMES)}) only")
-            raise NoMatchingProfile(
-                f"no {w.engine} profile{where} in {w.dtype} (the model's dtype) in mode {mode or 'any'}; there are "
-                f"{_listing([c.dtype for c in pool])} ones: load the model in one of those dtypes; {todo}"
-            )
-        pool = fit
-        reasons.append(f"dtype {w.dtype} (the model's)")
-    else:
-        fit = [c for c in pool if c.dtype == "bfloat16"]
-        pool = fit or pool
-        reasons.append("dtype bfloat16 (preferred; the model's dtype is not known)" if fit else
-                       f"dtype {_listing([c.dtype for c in pool])} (the model's dtype is not known)")
-
+    st = _Steps(w, where)
+    pool = _of_engine(candidates, w, where)
+    # must match: mode, dtype, an asked version
+    pool, mode = st.mode(pool)
+    pool = st.dtype(pool, mode)
     if w.version is not None:
         fit = [c for c in pool if same_version(c.version, w.version)]
         if not fit:
@@ -284,84 +241,165 @@ def select(candidates: Sequence[Candidate], wanted: Wanted, *, where: str = "") 
                 f"{w.version}"
             )
         pool = fit
+    # preferred: device, version, CPU capability, this machine, method
+    pool = st.device(pool)
+    pool, target = st.version(pool)
+    pool = st.capability(pool, target)
+    pool = st.machine(pool, target)
+    chosen = st.method(pool)
+    if chosen.emulated:
+        st.reasons.append(f"its CPU capability was emulated, not measured on such a CPU ({chosen.emulated}); "
+                          f"`probe-engine check {chosen.name}` re-probes it here")
+    mismatches = [(cat, f"profile {chosen.name} chosen for {w.spec!r}: {text}") for cat, text in st.mismatches]
+    return Selection(chosen, w, tuple(st.reasons), tuple(mismatches))
 
-    # -- preferred: device, version, CPU capability, method ---------------------------------------------
-    fit = [c for c in pool if c.backend == w.device]
-    if fit:
-        pool = fit
-        reasons.append(f"device {w.device} (the model's)")
-    else:
+
+def _of_engine(candidates: Sequence[Candidate], w: Wanted, where: str) -> list[Candidate]:
+    pool = [c for c in candidates if c.engine == w.engine]
+    if pool:
+        return pool
+    engines = sorted({c.engine for c in candidates})
+    if w.engine not in KNOWN_ENGINES:
+        names = ", ".join(sorted(c.name for c in candidates)) or "none"
+        raise UnknownEngine(
+            f"no profile file, shipped profile or engine named {w.engine!r}; engines with profiles{where}: "
+            f"{', '.join(engines) or 'none'} (probe-engine probes {', '.join(KNOWN_ENGINES)}); profiles: {names}. "
+            f"Name a profile by engine as {SPEC_SYNTAX}, e.g. vllm, vllm==0.32.0 or vllm:eager"
+        )
+    raise NoMatchingProfile(
+        f"no {w.engine} profile{where} (profiles there are of: {', '.join(engines) or 'none'}); "
+        f"probe it with `probe-engine {w.engine}`"
+    )
+
+
+class _Steps:
+    """The steps of :func:`select` after the engine, each narrowing the pool and saying why
+    (``reasons``), and what fits only partly (``mismatches``: the warning category and its text)."""
+
+    def __init__(self, w: Wanted, where: str):
+        self.w, self.where = w, where
+        self.reasons: list[str] = []
+        self.mismatches: list[tuple[type[MismatchedProfile], str]] = []
+
+    def mode(self, pool: list[Candidate]) -> tuple[list[Candidate], str | None]:
+        w, where = self.w, self.where
+        mode, why = execution_mode(w.engine, w.mode)
+        if mode is not None:
+            fit = [c for c in pool if c.mode == mode]
+            if not fit:
+                choices = ", ".join(sorted(EXECUTION_MODES.get(w.engine, {}))) or "the modes listed"
+                raise NoMatchingProfile(
+                    f"no {w.engine} profile{where} in execution mode {mode} ({why}); {w.engine} profiles there are "
+                    f"in mode {_listing([c.mode for c in pool])}: ask for one with '{w.engine}:MODE' ({choices}), or "
+                    f"probe this mode (`probe-engine {w.engine} --mode ...`)"
+                )
+            pool = fit
+        self.reasons.append(f"mode {mode} ({why})" if mode is not None else why)
+        return pool, mode
+
+    def dtype(self, pool: list[Candidate], mode: str | None) -> list[Candidate]:
+        w, where = self.w, self.where
+        if w.dtype is None:
+            fit = [c for c in pool if c.dtype == "bfloat16"]
+            pool = fit or pool
+            self.reasons.append("dtype bfloat16 (preferred; the model's dtype is not known)" if fit else
+                                f"dtype {_listing([c.dtype for c in pool])} (the model's dtype is not known)")
+            return pool
+        fit = [c for c in pool if c.dtype == w.dtype]
+        if not fit:
+            todo = (f"or probe the engine with `--dtype {w.dtype}`" if w.dtype in ACT_DTYPE_NAMES else
+                    f"profiles are measured in activation dtypes ({', '.join(ACT_DTYPE_NAMES)}) only")
+            raise NoMatchingProfile(
+                f"no {w.engine} profile{where} in {w.dtype} (the model's dtype) in mode {mode or 'any'}; there are "
+                f"{_listing([c.dtype for c in pool])} ones: load the model in one of those dtypes; {todo}"
+            )
+        self.reasons.append(f"dtype {w.dtype} (the model's)")
+        return fit
+
+    def device(self, pool: list[Candidate]) -> list[Candidate]:
+        w, where = self.w, self.where
+        fit = [c for c in pool if c.backend == w.device]
+        if fit:
+            self.reasons.append(f"device {w.device} (the model's)")
+            return fit
         probed = _listing([c.backend for c in pool])
-        mismatches.append((CapabilityMismatch,
-                           f"no {w.engine} profile{where} was probed on {w.device}, the model's device; using one probed "
-                           f"on {probed}: the engine's {w.device} kernels may round elsewhere. Probe the engine on "
-                           f"{w.device} (`probe-engine {w.engine} --device {w.device}`)"))
-        reasons.append(f"device {probed} (none probed on {w.device})")
+        self.mismatches.append((CapabilityMismatch,
+                                f"no {w.engine} profile{where} was probed on {w.device}, the model's device; using one "
+                                f"probed on {probed}: the engine's {w.device} kernels may round elsewhere. Probe the "
+                                f"engine on {w.device} (`probe-engine {w.engine} --device {w.device}`)"))
+        self.reasons.append(f"device {probed} (none probed on {w.device})")
+        return pool
 
-    versions = sorted({c.version for c in pool}, key=version_key)
-    if w.version is not None:
-        target = pool[0].version
-        reasons.append(f"version {w.version}, as asked")
-    elif w.installed is not None:
-        exact = [v for v in versions if same_version(v, w.installed)]
-        if exact:
-            target = exact[-1]
-            reasons.append(f"version {target} (installed here)")
+    def version(self, pool: list[Candidate]) -> tuple[list[Candidate], str]:
+        w, where = self.w, self.where
+        versions = sorted({c.version for c in pool}, key=version_key)
+        if w.version is not None:
+            target = pool[0].version
+            self.reasons.append(f"version {w.version}, as asked")
+        elif w.installed is not None:
+            exact = [v for v in versions if same_version(v, w.installed)]
+            if exact:
+                target = exact[-1]
+                self.reasons.append(f"version {target} (installed here)")
+            else:
+                below = [v for v in versions if version_key(v) < version_key(w.installed)]
+                target = below[-1] if below else versions[0]
+                self.mismatches.append((VersionMismatch,
+                                        f"{w.engine} {w.installed} is installed here, and no {w.engine} profile{where} "
+                                        f"is of that version (there: {', '.join(versions)}); using {target}, the "
+                                        f"nearest {'below' if below else 'above'} it. Its sites may differ from the "
+                                        f"installed engine's: probe it (scripts/probe.sh {w.engine} "
+                                        f"{w.installed.split('+', 1)[0]})"))
+                self.reasons.append(f"version {target} (nearest to the installed {w.installed}, which has no profile)")
         else:
-            below = [v for v in versions if version_key(v) < version_key(w.installed)]
-            target = below[-1] if below else versions[0]
-            mismatches.append((VersionMismatch,
-                               f"{w.engine} {w.installed} is installed here, and no {w.engine} profile{where} is of that "
-                               f"version (there: {', '.join(versions)}); using {target}, the nearest "
-                               f"{'below' if below else 'above'} it. Its sites may differ from the installed engine's: "
-                               f"probe it (scripts/probe.sh {w.engine} {w.installed.split('+', 1)[0]})"))
-            reasons.append(f"version {target} (nearest to the installed {w.installed}, which has no profile)")
-    else:
-        target = versions[-1]
-        reasons.append(f"version {target} (the newest with a profile; {w.engine} is not installed in this Python)")
-    pool = [c for c in pool if same_version(c.version, target)]
+            target = versions[-1]
+            self.reasons.append(f"version {target} (the newest with a profile; {w.engine} is not installed in this "
+                                "Python)")
+        return [c for c in pool if same_version(c.version, target)], target
 
-    if w.device == "cpu" and w.capability is not None and all(c.backend == "cpu" for c in pool):
+    def capability(self, pool: list[Candidate], target: str) -> list[Candidate]:
+        w, where = self.w, self.where
+        if not (w.device == "cpu" and w.capability is not None and all(c.backend == "cpu" for c in pool)):
+            return pool
         fit = [c for c in pool if c.capability == w.capability]
         if fit:
-            pool = fit
-            reasons.append(f"CPU capability {w.capability} (this machine's)")
-        else:
-            probed = _listing([c.capability or "unrecorded" for c in pool])
-            mismatches.append((CapabilityMismatch,
-                               f"no {w.engine} {target} profile{where} was probed on CPU capability {w.capability} "
-                               f"(this machine's); using one probed on {probed}: the engine's kernels dispatch by vector "
-                               f"ISA, so its evidence (match rates, exact mode's bit-exactness) may not hold here. "
-                               f"Probe the engine on this machine (scripts/probe.sh {w.engine} {target})"))
-            reasons.append(f"CPU capability {probed} (none probed on this machine's {w.capability})")
+            self.reasons.append(f"CPU capability {w.capability} (this machine's)")
+            return fit
+        probed = _listing([c.capability or "unrecorded" for c in pool])
+        self.mismatches.append((CapabilityMismatch,
+                                f"no {w.engine} {target} profile{where} was probed on CPU capability {w.capability} "
+                                f"(this machine's); using one probed on {probed}: the engine's kernels dispatch by "
+                                f"vector ISA, so its evidence (match rates, exact mode's bit-exactness) may not hold "
+                                f"here. Probe the engine on this machine (scripts/probe.sh {w.engine} {target})"))
+        self.reasons.append(f"CPU capability {probed} (none probed on this machine's {w.capability})")
+        return pool
 
-    if w.device == "cpu" and w.machine is not None and w.machine.known and all(c.backend == "cpu" for c in pool):
+    def machine(self, pool: list[Candidate], target: str) -> list[Candidate]:
+        w = self.w
+        if not (w.device == "cpu" and w.machine is not None and w.machine.known
+                and all(c.backend == "cpu" for c in pool)):
+            return pool
         # Exact mode refuses a profile of another machine (the engine's kernels follow it); the regions'
         # sites hold there, so for them this is a preference, said in the reasons, not a warning.
         fit = [c for c in pool if not differences(c.machine, w.machine)]
         if fit:
-            pool = fit
-            reasons.append(f"this machine's CPU features ({w.machine.describe()})")
+            self.reasons.append(f"this machine's CPU features ({w.machine.describe()})")
+            return fit
+        self.reasons.append(f"probed on another machine than this one ({w.machine.describe()}): exact mode refuses "
+                            f"it; probe this machine (scripts/probe.sh {w.engine} {target})")
+        return pool
+
+    def method(self, pool: list[Candidate]) -> Candidate:
+        def rank(c: Candidate) -> int:
+            return METHOD_ORDER.index(c.method) if c.method in METHOD_ORDER else len(METHOD_ORDER)
+
+        best = min(rank(c) for c in pool)
+        methods = {c.method for c in pool}
+        pool = sorted((c for c in pool if rank(c) == best), key=lambda c: (c.date, c.name))
+        method = pool[0].method
+        if method == "in-situ":
+            self.reasons.append("in-situ (fitted on whole models in the running engine"
+                                + ("; preferred over op-level)" if len(methods) > 1 else ")"))
         else:
-            reasons.append(f"probed on another machine than this one ({w.machine.describe()}): exact mode refuses it; "
-                           f"probe this machine (scripts/probe.sh {w.engine} {target})")
-
-    def method_rank(c: Candidate) -> int:
-        return METHOD_ORDER.index(c.method) if c.method in METHOD_ORDER else len(METHOD_ORDER)
-
-    best_method = min(method_rank(c) for c in pool)
-    methods = {c.method for c in pool}
-    pool = [c for c in pool if method_rank(c) == best_method]
-    method = pool[0].method
-    if method == "in-situ":
-        reasons.append("in-situ (fitted on whole models in the running engine"
-                       + ("; preferred over op-level)" if len(methods) > 1 else ")"))
-    else:
-        reasons.append(method)
-    pool.sort(key=lambda c: (c.date, c.name))
-    chosen = pool[-1]
-    if chosen.emulated:
-        reasons.append(f"its CPU capability was emulated, not measured on such a CPU ({chosen.emulated}); "
-                       f"`probe-engine check {chosen.name}` re-probes it here")
-    mismatches = [(cat, f"profile {chosen.name} chosen for {w.spec!r}: {text}") for cat, text in mismatches]
-    return Selection(chosen, w, tuple(reasons), tuple(mismatches))
+            self.reasons.append(method)
+        return pool[-1]
