@@ -190,6 +190,13 @@ def rollout_corr(
     row, a zero in ``seq_lens``) is left out of the sequence means (verl divides by its zero
     token count); the ESS is not offset by verl's 1e-8; ``is_threshold`` must be >= 1.
     """
+    le, lt, valid, seg, n_seq = _checked(logp_engine, logp_train, mask, seq_lens, is_level, is_threshold)
+    return _metrics(le, lt, valid, seg, n_seq, is_level, is_threshold)
+
+
+def _checked(logp_engine, logp_train, mask, seq_lens, is_level: str, is_threshold: float):
+    """rollout_corr's input checked (MetricsInputError naming what is wrong): the two log-prob tensors,
+    the mask of the tokens to compare, each token's sequence index and the number of sequences."""
     le = _check_logp(logp_engine, "logp_engine")
     lt = _check_logp(logp_train, "logp_train")
     if le.shape != lt.shape:
@@ -231,7 +238,12 @@ def rollout_corr(
             raise MetricsInputError(f"{what} holds values above 0 (largest {float(v.max()):.6g} at "
                                     f"{_where((t > POSITIVE_TOLERANCE) & valid)}); log-probs are <= 0: pass "
                                     "log-probabilities, not losses (negative log-likelihoods) or probabilities")
+    return le, lt, valid, seg, n_seq
 
+
+def _metrics(le: torch.Tensor, lt: torch.Tensor, valid: torch.Tensor, seg: torch.Tensor, n_seq: int, is_level: str,
+             is_threshold: float) -> dict[str, float]:
+    """The metrics of :func:`rollout_corr` over the ``valid`` tokens (float64)."""
     common = torch.promote_types(le.dtype, lt.dtype)
     exact = (le[valid].to(common) == lt[valid].to(common)).double().mean()
     e, t, s = le[valid].double(), lt[valid].double(), seg[valid]
