@@ -253,14 +253,43 @@ def attention_evidence(att_fit, capture: dict[str, Any] | list[dict[str, Any]], 
 
 def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[dict[str, Any]],  # noqa: F821
                     family: str | list[str], command: str, attention_fit: Any = None) -> "Profile":  # noqa: F821
+    """The in-situ profile of ``fit`` (started from the op-level ``start``) on ``capture`` (one per family):
+    the regions' evidence, the engine and machine the capture ran on, attention's fitted point, and the
+    MoE entries carried over from the start."""
     import datetime as _dt
 
     from engineprofiles import PROBE_VERSION, __version__
-    from engineprofiles.regions import REGIONS
     from engineprofiles.schema import make_profile
 
     caps = _captures(capture)
     fams = [family] if isinstance(family, str) else list(family)
+    eng = caps[0]["engine"]
+    if attention_fit is not None:
+        att_point, att_ev = attention_fit.point, attention_evidence(attention_fit, capture, family)
+    else:
+        att_point, att_ev = None, {"status": "unavailable",
+                                   "reason": "the capture holds no attention calls of the engine"}
+    return make_profile(
+        engine=_in_situ_engine(start, caps, fams),
+        dtype=start.dtype,
+        points=fit.points,
+        evidence=_in_situ_evidence(fit, start, caps, fams),
+        attention=att_point,
+        attention_evidence=att_ev,
+        beside=_carried_over(start, eng),
+        provenance=dict(
+            date=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
+            probe_version=PROBE_VERSION, package_version=__version__, method="in-situ", command=command,
+            seed=caps[0].get("seed"),
+        ),
+    )
+
+
+def _in_situ_evidence(fit: Fit, start: "Profile", caps: list[dict[str, Any]],  # noqa: F821
+                      fams: list[str]) -> dict[str, dict[str, Any]]:
+    """Each region's evidence of the in-situ fit: the whole model's match rate, the runner-up, ties."""
+    from engineprofiles.regions import REGIONS
+
     n_seq = sum(len(c["sequences"]) for c in caps)
     n_tok = sum(len(s["prompt"]) + len(s["completion"]) for c in caps for s in c["sequences"])
     first = caps[0]["engine"]
@@ -299,6 +328,13 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
             per_shape=[dict(shape=k, winner=win.label(), match_rate=v.rate) for k, v in fit.best.layers.items()],
             notes=notes,
         )
+    return evidence
+
+
+def _in_situ_engine(start: "Profile", caps: list[dict[str, Any]], fams: list[str]):  # noqa: F821
+    """The profile's engine description: the op-level start's, except what the capture itself measured on."""
+    first = caps[0]["engine"]
+    scalings = sorted({c.get("rope_scaling") for c in caps if c.get("rope_scaling")})
     # The engine description is the op-level start's, except what the capture itself measured on:
     # the evidence belongs to the machine and torch the engine ran on, not the start's.
     settings = dict(start.engine.settings)
@@ -328,11 +364,10 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
                                                                   "predates device records)")}
     if eng.get("torch_version"):
         update["torch_version"] = eng["torch_version"]
-    if attention_fit is not None:
-        att_point, att_ev = attention_fit.point, attention_evidence(attention_fit, capture, family)
-    else:
-        att_point, att_ev = None, {"status": "unavailable",
-                                   "reason": "the capture holds no attention calls of the engine"}
+    return start.engine.model_copy(update=update)
+
+
+def _carried_over(start: "Profile", eng: dict[str, Any]) -> dict[str, tuple[Any, Any]]:  # noqa: F821
     # The MoE experts and shared expert are not fitted in situ (the fitted tiny models are dense): the
     # op-level entries the fit started from are carried over, saying so. vLLM runs them inside the
     # MoE block's opaque op, outside what its compiled graph fuses; the shared expert's entry also
@@ -351,20 +386,7 @@ def in_situ_profile(fit: Fit, start: "Profile", capture: dict[str, Any] | list[d
             ev["notes"] = [*ev.get("notes", []), f"op-level, carried over from {start.canonical_name} (the "
                            "in-situ fit runs dense models; this entry is not fitted in situ)"]
         beside[name] = (point, ev)
-    return make_profile(
-        engine=start.engine.model_copy(update=update),
-        dtype=start.dtype,
-        points=fit.points,
-        evidence=evidence,
-        attention=att_point,
-        attention_evidence=att_ev,
-        beside=beside,
-        provenance=dict(
-            date=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
-            probe_version=PROBE_VERSION, package_version=__version__, method="in-situ", command=command,
-            seed=caps[0].get("seed"),
-        ),
-    )
+    return beside
 
 
 def attention_samples(capture: dict[str, Any]) -> list["AttentionSample"]:  # noqa: F821
