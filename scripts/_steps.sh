@@ -52,3 +52,9 @@ step() {
   fi
   steps_log "  done in $((SECONDS - t0)) s"
 }
+
+# locked LOCKFILE CMD...: run CMD holding LOCKFILE (flock), where flock exists; else run it as is.
+locked() {
+  local lock=$1; shift
+  if command -v flock >/dev/null 2>&1; then flock "$lock" "$@"; else "$@"; fi
+}

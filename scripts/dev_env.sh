@@ -21,8 +21,10 @@ if [[ ! -x "$VENV/bin/python" || ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]
   fi
   step "step 2/3: installing the test requirements (scripts/requirements-dev.txt)" \
     "$VENV/bin/python" -m pip --disable-pip-version-check install -r "$REPO/scripts/requirements-dev.txt"
+  mkdir -p "$REPO/.engines"  # the lock of editable builds of the checkout (scripts/engine_env.sh takes it too)
   step "step 3/3: installing the project (editable)" \
-    "$VENV/bin/python" -m pip --disable-pip-version-check install --no-deps -e "$REPO"
+    locked "$REPO/.engines/.project-install.lock" "$VENV/bin/python" -m pip --disable-pip-version-check install \
+    --no-deps -e "$REPO"
   echo "$WANT" > "$STAMP"
 fi
 echo "$VENV/bin/python"

@@ -43,8 +43,10 @@ install_project() {
   if [[ -f "$VENV/.project-installed" && "$(cat "$VENV/.project-installed")" == "$want" ]]; then
     return 0
   fi
+  # one editable build of the checkout at a time (scripts/test.sh makes the environments side by side,
+  # and setuptools writes the project's egg-info into the checkout)
   step "${1:-}installing the project (editable, --no-deps) from $REPO" \
-    "$PY" -m pip --disable-pip-version-check install --no-deps -e "$REPO"
+    locked "$REPO/.engines/.project-install.lock" "$PY" -m pip --disable-pip-version-check install --no-deps -e "$REPO"
   echo "$want" > "$VENV/.project-installed"
 }
 
