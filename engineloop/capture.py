@@ -157,7 +157,7 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
     emulated = emulate_cpu()
     import torch
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     t0 = time.perf_counter()
     kw: dict[str, Any] = {}
@@ -176,74 +176,10 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
 
     state: dict[str, Any] = {"on": False, "attn": {}, "hidden": [], "backend": {}, "mods": {}, "count": False,
                              "tokens": []}
-
-    def install(model):
-        attn_layers = [m for m in model.modules() if type(m).__name__ == "Attention" and hasattr(m, "impl")]
-        if attn_layers:
-            first = attn_layers[0]
-            state["backend"] = dict(
-                impl=type(first.impl).__name__, backend=getattr(first.attn_backend, "get_name", lambda: "?")()
-                if hasattr(first, "attn_backend") else "?", scale=float(first.impl.scale),
-                sliding_window=int(getattr(first.impl, "sliding_window", -1) or -1),
-            )
-        for i, layer in enumerate(attn_layers):
-            impl = layer.impl
-            orig = impl.forward
-
-            def wrapped(lyr, query, key, value, kv_cache, attn_metadata, output=None, *a, _i=i, _orig=orig, **k):
-                res = _orig(lyr, query, key, value, kv_cache, attn_metadata, output, *a, **k)
-                if state["count"] and _i == 0 and attn_metadata is not None:
-                    state["tokens"].append(int(query.shape[0]))  # tokens in this forward (the batch check)
-                if state["on"] and attn_metadata is not None:
-                    if "isa" not in state["backend"] and getattr(lyr, "isa", None) is not None:
-                        state["backend"]["isa"] = str(lyr.isa)
-                        state["backend"]["block_size"] = int(kv_cache.shape[2]) if kv_cache.dim() == 4 else None
-                    out = res if res is not None else output
-                    state["attn"].setdefault(_i, []).append(
-                        {"q": query.detach().clone(), "k": key.detach().clone(), "v": value.detach().clone(),
-                         "out": out.detach().clone()}
-                    )
-                return res
-
-            impl.forward = wrapped
-        if mode == "eager":  # module hooks: only where the layers run as Python (a compiled graph skips them)
-            install_module_hooks(model, state)
-        lp = getattr(model, "logits_processor", None)
-        if lp is not None:
-            lp.register_forward_pre_hook(
-                lambda mod, args: state["hidden"].append(args[1].detach().clone()) if state["on"] else None
-            )
-        return len(attn_layers)
-
-    n_layers = llm.apply_model(install)[0]
+    n_layers = llm.apply_model(lambda model: _install_vllm_hooks(model, state, mode))[0]
     _log(f"capturing {n_layers} attention layers")
-    sequences = []
-    for j, prompt in enumerate(prompts):
-        sp = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + j, logprobs=0, detokenize=False)
-        state.update(on=True, attn={}, hidden=[])
-        out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
-        state["on"] = False
-        sample_calls = [state["attn"].get(i, []) for i in range(n_layers)]
-        completion = list(out.token_ids)
-        sample_lp = [lp[tok].logprob for lp, tok in zip(out.logprobs, completion)]
-        full = prompt + completion
-        state.update(on=True, attn={}, hidden=[], mods={})
-        rp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        res = llm.generate([{"prompt_token_ids": full}], rp, use_tqdm=False)[0]
-        state["on"] = False
-        prompt_lp = [None] + [d[tok].logprob for d, tok in zip(res.prompt_logprobs[1:], full[1:])]
-        layers = []
-        for i in range(n_layers):
-            calls = state["attn"].get(i, [])
-            # The prefill of the whole sequence is the call that saw every token.
-            call = next((c for c in calls if c["q"].shape[0] == len(full)), None)
-            layers.append(call)
-        hidden = _full_hidden(state["hidden"], len(full))
-        modules = _full_modules(state["mods"], n_layers, len(full))
-        sequences.append(dict(prompt=prompt, completion=completion, sample_logprobs=sample_lp,
-                              prompt_logprobs=prompt_lp, layers=layers, hidden=hidden, sample_calls=sample_calls,
-                              modules=modules))
-        _log(f"sequence {j + 1}/{len(prompts)}: {len(prompt)} prompt + {len(completion)} sampled tokens")
+    sequences = [_vllm_sequence(llm, state, prompt, j, len(prompts), max_tokens, seed, n_layers)
+                 for j, prompt in enumerate(prompts)]
     batch = None
     if batch_check:
         batch = batch_check_vllm(llm, state, prompts, sequences, max_tokens, seed, max_num_seqs)
@@ -258,6 +194,81 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
         model_dir=model_dir, sequences=sequences, seed=seed, seconds=time.perf_counter() - t0,
         **({"batch_check": batch} if batch is not None else {}),
     )
+
+
+def _install_vllm_hooks(model, state: dict[str, Any], mode: str) -> int:
+    """In vLLM's live model (llm.apply_model): wrap each attention layer's forward to record its calls
+    (and the tokens of each forward, for the batch check) into ``state`` while ``state["on"]``, the
+    logits processor's input (the final hidden states), and in eager mode the modules' outputs.
+    Returns the number of attention layers."""
+    attn_layers = [m for m in model.modules() if type(m).__name__ == "Attention" and hasattr(m, "impl")]
+    if attn_layers:
+        first = attn_layers[0]
+        state["backend"] = dict(
+            impl=type(first.impl).__name__, backend=getattr(first.attn_backend, "get_name", lambda: "?")()
+            if hasattr(first, "attn_backend") else "?", scale=float(first.impl.scale),
+            sliding_window=int(getattr(first.impl, "sliding_window", -1) or -1),
+        )
+    for i, layer in enumerate(attn_layers):
+        impl = layer.impl
+        orig = impl.forward
+
+        def wrapped(lyr, query, key, value, kv_cache, attn_metadata, output=None, *a, _i=i, _orig=orig, **k):
+            res = _orig(lyr, query, key, value, kv_cache, attn_metadata, output, *a, **k)
+            if state["count"] and _i == 0 and attn_metadata is not None:
+                state["tokens"].append(int(query.shape[0]))  # tokens in this forward (the batch check)
+            if state["on"] and attn_metadata is not None:
+                if "isa" not in state["backend"] and getattr(lyr, "isa", None) is not None:
+                    state["backend"]["isa"] = str(lyr.isa)
+                    state["backend"]["block_size"] = int(kv_cache.shape[2]) if kv_cache.dim() == 4 else None
+                out = res if res is not None else output
+                state["attn"].setdefault(_i, []).append(
+                    {"q": query.detach().clone(), "k": key.detach().clone(), "v": value.detach().clone(),
+                     "out": out.detach().clone()}
+                )
+            return res
+
+        impl.forward = wrapped
+    if mode == "eager":  # module hooks: only where the layers run as Python (a compiled graph skips them)
+        install_module_hooks(model, state)
+    lp = getattr(model, "logits_processor", None)
+    if lp is not None:
+        lp.register_forward_pre_hook(
+            lambda mod, args: state["hidden"].append(args[1].detach().clone()) if state["on"] else None
+        )
+    return len(attn_layers)
+
+
+def _vllm_sequence(llm, state: dict[str, Any], prompt: list[int], j: int, n_prompts: int, max_tokens: int, seed: int,
+                   n_layers: int) -> dict[str, Any]:
+    """One prompt through vLLM: sampled (its decode log-probs and attention calls), then the whole sequence
+    re-scored in one prefill (its prompt log-probs, each layer's prefill call, the hidden states)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + j, logprobs=0, detokenize=False)
+    state.update(on=True, attn={}, hidden=[])
+    out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
+    state["on"] = False
+    sample_calls = [state["attn"].get(i, []) for i in range(n_layers)]
+    completion = list(out.token_ids)
+    sample_lp = [lp[tok].logprob for lp, tok in zip(out.logprobs, completion)]
+    full = prompt + completion
+    state.update(on=True, attn={}, hidden=[], mods={})
+    rp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    res = llm.generate([{"prompt_token_ids": full}], rp, use_tqdm=False)[0]
+    state["on"] = False
+    prompt_lp = [None] + [d[tok].logprob for d, tok in zip(res.prompt_logprobs[1:], full[1:])]
+    layers = []
+    for i in range(n_layers):
+        calls = state["attn"].get(i, [])
+        # The prefill of the whole sequence is the call that saw every token.
+        call = next((c for c in calls if c["q"].shape[0] == len(full)), None)
+        layers.append(call)
+    hidden = _full_hidden(state["hidden"], len(full))
+    modules = _full_modules(state["mods"], n_layers, len(full))
+    _log(f"sequence {j + 1}/{n_prompts}: {len(prompt)} prompt + {len(completion)} sampled tokens")
+    return dict(prompt=prompt, completion=completion, sample_logprobs=sample_lp, prompt_logprobs=prompt_lp,
+                layers=layers, hidden=hidden, sample_calls=sample_calls, modules=modules)
 
 
 # -- Batch check -------------------------------------------------------------------------------------
