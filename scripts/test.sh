@@ -22,7 +22,7 @@ trap - EXIT
 WORKERS=${TEST_WORKERS:-$(nproc)}
 [[ "$WORKERS" =~ ^[0-9]+$ ]] || { echo "error: TEST_WORKERS must be a number of processes, got '$WORKERS'" >&2; exit 2; }
 set +e
-"$PY" -m pytest -n "$WORKERS" --dist worksteal "$@"
+"$PY" -m pytest -n "$WORKERS" --dist load --maxschedchunk 1 "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then
