@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test suite, as CI runs it: make the test venv and the engine environments, then pytest.
 # Extra arguments go to pytest. Fails when any test fails or when no test ran (pytest exit 5).
-# The tests run on every core (pytest-xdist; TEST_WORKERS=N for another count, 0 for one process):
-# an engine test keeps about one core busy, so two workers on the 2-core machine about halve the time.
+# TEST_WORKERS=N runs the tests in N processes (pytest-xdist, one test at a time to a free worker);
+# the default is one per two cores (torch and the engines use two threads each; on the 2-core machine
+# two workers were slower than one: measured 2026-12-06), and 1 runs them in this process.
 set -euo pipefail
 REPO=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
@@ -19,10 +20,12 @@ for pid in "${pids[@]}"; do
   wait "$pid" || { echo "error: an engine environment failed (its log is named above)" >&2; exit 1; }
 done
 trap - EXIT
-WORKERS=${TEST_WORKERS:-$(nproc)}
+WORKERS=${TEST_WORKERS:-$(( $(nproc) / 2 ))}
 [[ "$WORKERS" =~ ^[0-9]+$ ]] || { echo "error: TEST_WORKERS must be a number of processes, got '$WORKERS'" >&2; exit 2; }
+PARALLEL=()
+if (( WORKERS > 1 )); then PARALLEL=(-n "$WORKERS" --dist load --maxschedchunk 1); fi
 set +e
-"$PY" -m pytest -n "$WORKERS" --dist load --maxschedchunk 1 "$@"
+"$PY" -m pytest "${PARALLEL[@]}" "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then

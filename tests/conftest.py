@@ -10,11 +10,11 @@ from engineprofiles.schema import make_profile
 
 
 def pytest_collection_modifyitems(config, items):
-    """The engine tests first (each runs a real engine for a minute or more): scripts/test.sh runs the
-    suite on every core (pytest-xdist, --dist load --maxschedchunk 1: one test at a time to whichever
-    worker is free), so the long tests spread over the workers from the start and the short ones fill
-    the gaps, instead of one long test keeping a core busy at the end while the others idle. (With
-    larger chunks, or worksteal's halves, one worker got every engine test.)"""
+    """The engine tests first (each runs a real engine for a minute or more): where scripts/test.sh runs
+    the suite in several processes (TEST_WORKERS; pytest-xdist, --dist load --maxschedchunk 1: one test
+    at a time to whichever worker is free), the long tests spread over the workers from the start and
+    the short ones fill the gaps. (With larger chunks, or worksteal's halves, one worker got every
+    engine test.)"""
     items.sort(key=lambda item: item.get_closest_marker("engine") is None)  # stable: the order within each
 
 
