@@ -16,6 +16,7 @@ sampling itself (the prompt's prefill, then one call per decoded token) are kept
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import time
@@ -480,7 +481,7 @@ def check_sgl_kernel_standin() -> str:
 
 
 def capture_sglang(model_dir: str, prompts: list[list[int]], max_tokens: int, seed: int, mode: str = "default",
-                   nccl_port: int | None = None, batch_check: bool = False) -> dict[str, Any]:
+                   batch_check: bool = False, *, nccl_port: int | None = None) -> dict[str, Any]:
     """The SGLang offline engine (``sglang.Engine``) on CPU, as it runs by default there; the same
     two requests per prompt as :func:`capture_vllm` (sample, then re-score prompt + completion with
     prompt log-probs). The radix (prefix) cache is off, so that the re-scoring prefill computes every
@@ -615,7 +616,9 @@ def batch_check_sglang(engine, folder: str, seen: set[str], prompts: list[list[i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="capture what a real engine materializes on a local model")
-    ap.add_argument("engine", choices=["vllm", "sglang"])
+    from engineprofiles import engines
+
+    ap.add_argument("engine", choices=[n for n, e in engines.ENGINES.items() if e.capture])
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--prompts", type=int, default=4)
@@ -636,14 +639,13 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(a.model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     ps = prompts_for(a.prompts, vocab, a.seed, a.prompt_len)
-    if a.engine == "sglang":
-        try:
-            data = capture_sglang(a.model, ps, a.max_tokens, a.seed, a.mode, a.nccl_port, a.batch_check)
-        except CaptureFailure as e:
-            _log(f"error: {e.cause}: {e}")
-            return 3
-    else:
-        data = capture_vllm(a.model, ps, a.max_tokens, a.seed, a.mode, a.batch_check)
+    capture = engines.get(a.engine).load("capture")  # the record's capture function (engineprofiles.engines)
+    options = {"nccl_port": a.nccl_port} if "nccl_port" in inspect.signature(capture).parameters else {}
+    try:
+        data = capture(a.model, ps, a.max_tokens, a.seed, a.mode, a.batch_check, **options)
+    except CaptureFailure as e:
+        _log(f"error: {e.cause}: {e}")
+        return 3
     from engineprofiles.files import write_atomic_with
 
     write_atomic_with(a.out, lambda f: torch.save(data, f))

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
 from engineprofiles.errors import EngineProfilesError
-from engineprofiles.names import BESIDE_NAMES, DEFAULT_MODES, ENGINE_MODES, EXECUTION_MODES, FAMILY_NAMES, REGION_NAMES
+from engineprofiles import engines
+from engineprofiles.families import FAMILIES
+from engineprofiles.names import BESIDE_NAMES, REGION_NAMES
 
 if TYPE_CHECKING:
     from engineprofiles.diff import Diff, Row
@@ -73,11 +75,12 @@ class Plan:
 
 def _probe_mode(engine: str, execution_mode: str) -> Optional[str]:
     """The probe's --mode that records ``execution_mode`` (the inverse of the adapters' naming)."""
-    for mode, recorded in EXECUTION_MODES.get(engine, {}).items():
+    e = engines.ENGINES.get(engine)
+    for mode, recorded in (e.execution_modes.items() if e else ()):
         if recorded == execution_mode:
-            if mode in ENGINE_MODES[engine]:
+            if mode in e.modes:
                 return mode
-            return "default" if DEFAULT_MODES.get(engine) == mode else None
+            return "default" if e.default_mode == mode else None
     return None
 
 
@@ -99,23 +102,23 @@ def plan_for(profile: Profile, name: str) -> Plan:
     if pv.method != "op-level":
         raise CheckRefused(f"{name} is a {pv.method} profile (provenance.method), not measured on an engine: there is "
                            "nothing to re-probe")
-    if e.name not in ENGINE_MODES:
+    if e.name not in engines.ENGINES:
         raise CheckRefused(f"{name} is a profile of {e.name!r}, which no probe adapter knows (engines: "
-                           f"{', '.join(ENGINE_MODES)})")
+                           f"{', '.join(engines.ENGINES)})")
     mode = _probe_mode(e.name, e.execution_mode)
     if mode is None:
         hint = (" (a model patched by `probe-engine transformers --apply`: re-run that command and compare with "
                 "`probe-engine diff`)" if e.execution_mode == "patched" else "")
         raise CheckRefused(f"{name}: {e.name}'s execution mode {e.execution_mode!r} is no mode the probe runs "
-                           f"({', '.join(ENGINE_MODES[e.name])}){hint}")
+                           f"({', '.join(engines.get(e.name).modes)}){hint}")
     if e.backend not in ("cpu", "cuda"):
         raise CheckRefused(f"{name} was probed on backend {e.backend}; the probe runs on cpu or cuda")
     family = None
     if e.name == "transformers":
         family = str(e.settings.get("family", "qwen2"))
-        if family not in FAMILY_NAMES:
+        if family not in FAMILIES:
             raise CheckRefused(f"{name}: engine.settings.family {family!r} is no model family the probe knows "
-                               f"({', '.join(FAMILY_NAMES)})")
+                               f"({', '.join(FAMILIES)})")
     skip = skipped(profile)
     if len(skip) == len(REGION_NAMES) + len(BESIDE_NAMES):
         raise CheckRefused(f"{name} records no region, no attention and no MoE experts as measured: there is nothing "

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from engineprofiles import __version__
+from engineprofiles import __version__, engines
 from engineprofiles.errors import EngineProfilesError
 from engineprofiles.names import FAMILY_NAMES
 from engineprofiles.text import install as install_printable
@@ -351,7 +351,7 @@ def _report_check(outcomes: list, engine: str, version: str, installed: Optional
 
 @app.command()
 def mismatch(
-    engine: str = typer.Argument("vllm", help="engine that samples: vllm or sglang"),
+    engine: str = typer.Argument("vllm", help=f"engine that samples: {' or '.join(engines.loop_engines())}"),
     family: str = typer.Option("qwen2", help=f"tiny model family: {', '.join(FAMILY_NAMES)}"),
     profile: Optional[str] = typer.Option(None, help="profile to apply (default: the shipped one of the engine)"),
     prompts: int = typer.Option(4, help="number of prompts"),
@@ -437,10 +437,13 @@ def _check_mismatch_options(engine: str, family: str, size: dict[str, int], *, c
 
     from . import tables
 
-    if engine not in ("vllm", "sglang"):
-        raise EngineProfilesError(f"mismatch runs vllm or sglang; got {engine!r}")
-    if engine == "sglang" and mode not in ("default",):
-        raise EngineProfilesError(f"mismatch runs SGLang's CPU engine in its default mode only; got --mode {mode!r}")
+    loop = engines.loop_engines()
+    if engine not in loop:
+        raise EngineProfilesError(f"mismatch runs {' or '.join(loop)}; got {engine!r}")
+    record = engines.get(engine)
+    if mode not in record.loop_modes:
+        raise EngineProfilesError(f"mismatch runs {record.title} in mode {' or '.join(record.loop_modes)}; got --mode "
+                                  f"{mode!r}")
     _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out,
                         plot=plot, profile=profile, seed=seed)
     if rope_scaling is not None:
@@ -535,9 +538,7 @@ def _check_profile_option(profile: Optional[str], engine: str, *, exact: bool, c
     with warnings.catch_warnings():  # the run chooses the same profile again, and warns then
         warnings.simplefilter("ignore")
         prof = get_profile(profile)
-    from .mismatch import LOOP_ENGINES
-
-    if exact and capture is None and prof.engine.name != engine and prof.engine.name in LOOP_ENGINES:
+    if exact and capture is None and prof.engine.name != engine and prof.engine.name in engines.loop_engines():
         raise EngineProfilesError(
             f"--exact: --profile {profile} is a profile of {prof.engine.name} ({prof.canonical_name}), but the engine "
             f"that samples is {engine}: exact mode reproduces the engine its profile describes; pass a {engine} "
@@ -547,7 +548,7 @@ def _check_profile_option(profile: Optional[str], engine: str, *, exact: bool, c
 
 @app.command()
 def localize(
-    engine: str = typer.Argument("vllm", help="engine to compare with: vllm"),
+    engine: str = typer.Argument("vllm", help=f"engine to compare with: {', '.join(engines.localize_engines())}"),
     family: str = typer.Option("qwen2", help=f"tiny model family: {', '.join(FAMILY_NAMES)}"),
     trainer: list[str] = typer.Option(["as-is", "profile"], help="trainer(s) to localize: as-is (unpatched), profile "
                                       "(the engine's profile applied), exact (exact=True); repeat the option for several"),
@@ -587,8 +588,10 @@ def localize(
 
     from . import tables
 
-    if engine != "vllm":
-        _fail(EngineProfilesError(f"localize runs vllm only (SGLang's capture runs its model compiled into the scheduler process, with no per-module tensors yet); got {engine!r}"))
+    if engine not in engines.localize_engines():
+        _fail(EngineProfilesError(f"localize runs {' or '.join(engines.localize_engines())} only (SGLang's capture runs "
+                                  f"its model compiled into the scheduler process, with no per-module tensors yet); "
+                                  f"got {engine!r}"))
     size = _size(layers, hidden, intermediate, heads, kv_heads, head_dim)
     try:
         _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out,
@@ -628,24 +631,9 @@ def localize(
         _say(err, f"wrote {where if where != 'stdout' else 'the JSON to stdout'}")
 
 
-ENGINE_HELP = {
-    "vllm": "Probe vLLM's layers as the engine runs them by default on this device (its CPU build "
-    "compiles the model with Inductor); --mode eager probes the enforce_eager path.",
-    "sglang": "Probe SGLang's layers as its CPU engine runs them (op-level by default); --in-situ runs its "
-    "offline engine on tiny models and fits the profile from what it materializes.",
-    "transformers": "Probe HF transformers' own modules (the trainer side), or a patched model.",
-}
-
-
 OUTPUT_HELP = ("file, or folder for <canonical name>.yaml (a regular file or a new path; never a device or FIFO); "
                "'-' prints the YAML to stdout and the summary to stderr")
 SHIP_HELP = "allow writing into the folder of shipped profiles (profiles/), as scripts/probe.sh --ship does"
-
-
-MODE_HELP = {
-    "vllm": "default (what the engine does by default here: read from its config), compiled, eager",
-    "sglang": "default (what SGLang's CPU engine does), compiled (its --enable-torch-compile path)",
-}
 
 
 def _check_arguments(engine: str, device: str, dtype: str, mode: str, family: str,
@@ -847,7 +835,7 @@ def _engine_command(engine: str):
     def command(
         device: str = typer.Option("cpu", help="device to probe on: cpu or cuda"),
         dtype: str = typer.Option("bfloat16", help="activation dtype: bfloat16 or float16"),
-        mode: str = typer.Option("default", help=MODE_HELP[engine]),
+        mode: str = typer.Option("default", help=engines.get(engine).mode_help),
         output: Optional[str] = typer.Option(".", "-o", "--output", help=OUTPUT_HELP),
         ship: bool = typer.Option(False, "--ship", help=SHIP_HELP),
         seed: int = typer.Option(0, help="seed of the probe inputs"),
@@ -890,10 +878,11 @@ def _engine_command(engine: str):
         if in_situ is None:
             # In situ by default where it runs: vLLM's compiled mode (fusion spans layers) and SGLang's
             # default CPU engine, on CPU in bfloat16.
-            situ_modes = {"vllm": ("default", "compiled"), "sglang": ("default",)}[engine]
+            record = engines.get(engine)
+            situ_modes = record.in_situ_by_default
             in_situ = mode in situ_modes and device == "cpu" and dtype == "bfloat16" and region is None and not quick
             if mode in situ_modes and not in_situ and region is None and not quick:
-                what = "vLLM's CPU build" if engine == "vllm" else "SGLang's CPU engine"
+                what = record.title
                 err.print(f"note: probing op-level: the in-situ fit runs {what} in bfloat16 only (asked: "
                           f"--dtype {dtype} --device {device}); the profile records method op-level", highlight=False,
                           markup=False)
@@ -903,10 +892,11 @@ def _engine_command(engine: str):
             _fail(EngineProfilesError("--family, --capture, --self-check/--no-self-check and --rope-scaling are in-situ "
                                       "options; add --in-situ (or leave them out)"))
         if in_situ:
-            if engine == "sglang" and mode != "default":
+            record = engines.get(engine)
+            if mode not in record.in_situ_modes:
                 _fail(EngineProfilesError(
-                    f"--in-situ runs SGLang's CPU engine in its default mode only (--mode {mode}: its "
-                    "--enable-torch-compile path needs AMX on CPU); use --op-level for the compiled layers"))
+                    f"--in-situ runs {record.title} in mode {' or '.join(record.in_situ_modes)} only (--mode {mode}: "
+                    f"{record.in_situ_note})"))
             _in_situ(engine, list(family or ["qwen3"]), output, seed, env, list(capture or []), prompts, print_yaml, mode,
                      dtype, device, ship, rope_scaling, self_check is not False)
             return
@@ -916,14 +906,14 @@ def _engine_command(engine: str):
 
 
 def _register_engines() -> None:
-    for engine in ("vllm", "sglang"):
-        app.command(engine, help=ENGINE_HELP[engine])(_engine_command(engine))
+    for name in engines.with_environment():
+        app.command(name, help=engines.get(name).help)(_engine_command(name))
 
-    @app.command("transformers", help=ENGINE_HELP["transformers"])
+    @app.command("transformers", help=engines.get("transformers").help)
     def transformers_cmd(
         device: str = typer.Option("cpu", help="device to probe on: cpu or cuda"),
         dtype: str = typer.Option("bfloat16", help="activation dtype: bfloat16 or float16"),
-        mode: str = typer.Option("default", help="execution mode: default (eager modules)"),
+        mode: str = typer.Option("default", help=f"execution mode: {engines.get('transformers').mode_help}"),
         output: Optional[str] = typer.Option(".", "-o", "--output", help=OUTPUT_HELP),
         ship: bool = typer.Option(False, "--ship", help=SHIP_HELP),
         seed: int = typer.Option(0, help="seed of the probe inputs"),

@@ -21,11 +21,12 @@ from typing import Any, Callable
 
 import torch
 
+from engineprofiles import engines
 from engineprofiles.errors import EngineProfilesError
 from engineprofiles.extras import require
-from engineprofiles.names import MOE_FAMILY_NAMES, check_rope_scaling_name, is_safe_name
+from engineprofiles.names import check_rope_scaling_name, is_safe_name
 from engineprofiles.metrics import Mismatch, mismatch
-from engineprofiles.models import FAMILIES
+from engineprofiles.families import FAMILIES
 from engineprofiles.regions.attention import KVSplit
 from engineprofiles.schema import Profile, with_points
 from engineprofiles.store import get_profile, shipped_names
@@ -419,9 +420,6 @@ def model_and_capture(engine: str, family: str, *, size: dict[str, int] | None, 
     return model, cap
 
 
-LOOP_ENGINES = ("vllm", "sglang")  # the engines mismatch samples with
-
-
 def engine_profile(engine: str, cap: dict[str, Any], profile: str | None, *, capture_file: str | None, mode: str,
                    exact: bool) -> tuple[str, Profile, list[str]]:
     """The profile to apply for this capture (``profile``, or the engine's shipped one for the
@@ -438,7 +436,7 @@ def engine_profile(engine: str, cap: dict[str, Any], profile: str | None, *, cap
     warnings = []
     # Before any trainer row: exact mode reproduces the engine its profile describes, so a profile of the other
     # engine the loop runs is refused (a capture the trainer made itself, as tests plant, takes any profile).
-    if exact and prof.engine.name != eng["name"] and {prof.engine.name, eng["name"]} <= set(LOOP_ENGINES):
+    if exact and prof.engine.name != eng["name"] and {prof.engine.name, eng["name"]} <= set(engines.loop_engines()):
         raise EngineProfilesError(
             f"--exact: profile {prof_name} is a profile of {prof.engine.name}, but the "
             f"{'capture ' + str(capture_file) if capture_file else 'capture'} comes from {eng['name']} {eng['version']}: "
@@ -504,7 +502,8 @@ def engine_kv_split(eng: dict[str, Any], prof: Profile) -> KVSplit | None:
     contraction, the profile's ``qk_dot`` says ``mul_add``), the AVX-512 build with FMAs."""
     att = eng.get("attention") or {}
     threads = att.get("torch_threads")
-    if eng.get("name") != "vllm" or not att.get("split_kv") or not isinstance(threads, int) or threads < 2:
+    record = engines.ENGINES.get(eng.get("name"))
+    if record is None or not record.split_kv or not att.get("split_kv") or not isinstance(threads, int) or threads < 2:
         return None
     merge = "mul_add" if prof.available("attention") and prof.point("attention")["qk_dot"] == "mul_add" else "fma"
     return KVSplit(threads=threads, merge=merge)
@@ -527,7 +526,6 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                                    prompts=prompts, max_tokens=max_tokens, seed=seed, env=env, workdir=workdir,
                                    note=note, mode=mode, prompt_len=prompt_len, batch_check=batch_check,
                                    rope_scaling=rope_scaling)
-    from emulator.patching import FAMILIES as EMULATED_FAMILIES
 
     eng = cap["engine"]
     prof_name, prof, warnings = engine_profile(engine, cap, profile, capture_file=capture_file, mode=mode, exact=exact)
@@ -539,8 +537,8 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     report = Report(engine=eng, family=family, profile_name=prof_name, trainer_profile_name=tname, warnings=warnings,
                     model=model_fields(model), prompt_len=len(cap["sequences"][0]["prompt"]))
     variants: list[tuple[str, Profile | None, bool]] = [("as-is", None, False), ("+ engine profile", prof, False)]
-    ablations = dict(ABLATIONS, **({"moe": ("moe",)} if family in MOE_FAMILY_NAMES else {}),
-                     **({"shared_expert": ("shared_expert",)} if EMULATED_FAMILIES[family].shared_expert else {}))
+    ablations = dict(ABLATIONS, **({"moe": ("moe",)} if FAMILIES[family].moe else {}),
+                     **({"shared_expert": ("shared_expert",)} if FAMILIES[family].shared_expert else {}))
     for label, regs in ablations.items():
         variants.append((f"+ {label} only", combine(trainer, prof, regs), False))
     kv_split = engine_kv_split(eng, prof) if exact else None

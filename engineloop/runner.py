@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from engineprofiles import engines
 from engineprofiles.errors import OutputNotWritable
 from engineprofiles.files import check_writable_folder, file_target
 from engineprofiles.names import is_safe_name
@@ -22,14 +23,10 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[1]  # the checkout, in an editable install; site-packages otherwise
 ENGINES_VAR = "ENGINEPROFILES_ENGINES"
 ENGINES_DIR = Path(os.environ.get(ENGINES_VAR) or REPO / ".engines")  # empty: unset, as $ENGINEPROFILES_DIR
-ENGINE_MODULE = {"vllm": "vllm", "sglang": "sglang", "transformers": "transformers"}
-DEFAULT_VERSION = {"vllm": "0.32.0", "sglang": "0.5.23"}
 
 
 def install_hint(engine: str) -> str:
-    if engine == "transformers":
-        return "pip install 'engineprofiles[insitu]' (or pip install transformers)"
-    return f"scripts/engine_env.sh {engine} {DEFAULT_VERSION[engine]}"
+    return engines.get(engine).hint()
 
 
 def in_checkout() -> bool:
@@ -49,7 +46,7 @@ def _engines_source() -> str:
 
 
 def engine_importable(engine: str) -> bool:
-    return importlib.util.find_spec(ENGINE_MODULE[engine]) is not None
+    return importlib.util.find_spec(engines.get(engine).module) is not None
 
 
 def _version_key(name: str) -> tuple:
@@ -78,8 +75,8 @@ def find_engine_python(engine: str, env: str | None = None) -> Path:
         )
     ready = [d for d in ENGINES_DIR.glob(f"{engine}-*") if (d / ".ready").exists() and (d / "bin" / "python").exists()]
     if not ready:
-        if engine == "transformers":
-            raise EngineNotInstalled(f"transformers is not installed in this environment: {install_hint(engine)}")
+        if not engines.get(engine).has_environment():
+            raise EngineNotInstalled(f"{engine} is not installed in this environment: {install_hint(engine)}")
         raise EngineNotInstalled(
             f"{engine} is not installed in this environment, and no environment made by scripts/engine_env.sh was "
             f"found: looked for {ENGINES_DIR / engine}-VERSION/ with bin/python and a .ready marker "

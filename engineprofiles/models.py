@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .names import FAMILY_NAMES as FAMILIES
+from .families import FAMILIES
 from .names import ROPE_SCALING_NAMES, check_family_name, check_rope_scaling_name
 
 # Defaults: small, but with GQA, head_dim 64, a hidden size that is not a single head, and
@@ -31,23 +31,6 @@ DEFAULTS: dict[str, Any] = dict(
     rms_norm_eps=1e-6,
     max_position_embeddings=40960,
 )
-
-ROPE_THETA = {"qwen2": 1000000.0, "qwen3": 1000000.0, "llama": 500000.0, "mistral": 1000000.0, "qwen3_moe": 1000000.0,
-              "qwen2_moe": 1000000.0}
-# Config fields a family's tiny model sets beyond DEFAULTS: Mistral's config defaults to a 4096-token
-# sliding window (Mistral-7B-v0.1); later Mistral checkpoints have none, and the tiny model neither.
-# Qwen3-MoE: every layer a sparse MoE block of 8 experts, 2 per token (Qwen3-30B-A3B has 128 and 8),
-# expert width 128 (vLLM's CPU fused-MoE kernel needs multiples of 32), top-k weights renormalized.
-# Qwen2-MoE: the same experts, not renormalized (Qwen2-MoE's default, as Qwen1.5-MoE-A2.7B), beside a
-# shared expert of width 256 and its sigmoid gate (shared_expert_gate); q/k/v biases (its default).
-FAMILY_FIELDS: dict[str, dict[str, Any]] = {
-    "mistral": dict(sliding_window=None),
-    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
-                      decoder_sparse_step=1, mlp_only_layers=[]),
-    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=False,
-                      shared_expert_intermediate_size=256, decoder_sparse_step=1, mlp_only_layers=[],
-                      qkv_bias=True, use_sliding_window=False),
-}
 
 # RoPE scalings (rope_parameters beside the family's rope_theta; ``tiny_model(..., rope_scaling=NAME)``,
 # CLI --rope-scaling): Llama 3.1's llama3 parameters, and linear with a factor that is not a power of
@@ -73,32 +56,9 @@ QWEN25_05B_WIDTHS: dict[str, Any] = dict(
 
 
 def _config_class(family: str):
-    check_family_name(family)
-    if family == "qwen2":
-        from transformers import Qwen2Config
+    import transformers
 
-        return Qwen2Config
-    if family == "qwen3":
-        from transformers import Qwen3Config
-
-        return Qwen3Config
-    if family == "llama":
-        from transformers import LlamaConfig
-
-        return LlamaConfig
-    if family == "mistral":
-        from transformers import MistralConfig
-
-        return MistralConfig
-    if family == "qwen3_moe":
-        from transformers import Qwen3MoeConfig
-
-        return Qwen3MoeConfig
-    if family == "qwen2_moe":
-        from transformers import Qwen2MoeConfig
-
-        return Qwen2MoeConfig
-    raise AssertionError(family)  # pragma: no cover - FAMILIES and the branches above agree
+    return getattr(transformers, FAMILIES[check_family_name(family)].config)
 
 
 def tiny_config(family: str = "qwen2", *, attn_implementation: str = "sdpa", rope_scaling: str | None = None,
@@ -107,12 +67,13 @@ def tiny_config(family: str = "qwen2", *, attn_implementation: str = "sdpa", rop
     default RoPE); ``overrides`` replace any config field."""
     C = _config_class(family)
     kw = dict(DEFAULTS)
-    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": ROPE_THETA[family]}
+    fam = FAMILIES[family]
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": fam.rope_theta}
     if rope_scaling is not None:
         kw["rope_parameters"] = {**ROPE_SCALINGS[check_rope_scaling_name(rope_scaling)],
-                                 "rope_theta": ROPE_THETA[family]}
+                                 "rope_theta": fam.rope_theta}
     kw.update(tie_word_embeddings=False, hidden_act="silu")
-    kw.update(FAMILY_FIELDS.get(family, {}))
+    kw.update(fam.tiny_fields)
     kw.update(overrides)
     cfg = C(**kw)
     cfg._attn_implementation = attn_implementation

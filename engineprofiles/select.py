@@ -12,7 +12,7 @@ this CPU's capability, calls it, logs the choice and issues its warnings.
 
 What must match (else :class:`NoMatchingProfile`): the engine (an engine no profile has and no
 probe adapter knows is :class:`UnknownEngine`); the execution mode (``default`` is the engine's
-default, :data:`engineprofiles.names.DEFAULT_MODES`: vLLM compiled, i.e. ``inductor``; ``:eager``
+default, :data:`engineprofiles.engines.ENGINES` (each ``default_mode``): vLLM compiled, i.e. ``inductor``; ``:eager``
 asks for another); the model's activation dtype when it is known (else bfloat16 is preferred); an
 explicitly asked version.
 
@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from .errors import CapabilityMismatch, MismatchedProfile, NoMatchingProfile, UnknownEngine, VersionMismatch
 from .machine import Machine, differences
-from .names import ACT_DTYPE_NAMES, DEFAULT_MODES, ENGINE_MODES, EXECUTION_MODES, SAFE_NAME
+from . import engines
+from .names import ACT_DTYPE_NAMES, SAFE_NAME
 
 if TYPE_CHECKING:
     from .schema import Profile
@@ -55,7 +56,6 @@ _SPEC = re.compile(rf"(?P<engine>[A-Za-z][A-Za-z0-9_-]{{0,63}})(?:==(?P<version>
 # Methods from most to least preferred: in-situ profiles are fitted on whole models in the running
 # engine (fusion across layers), op-level ones on each region compiled alone.
 METHOD_ORDER = ("in-situ", "op-level", "synthetic")
-KNOWN_ENGINES = tuple(ENGINE_MODES)
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def engine_version_hint(text: str) -> Optional[str]:
     """For ``vllm-0.32.0`` (an engine and a version joined by a dash, which is no shipped name):
     how to ask for it, ``vllm==0.32.0``."""
     m = re.fullmatch(r"([A-Za-z][A-Za-z0-9_]*)-(v?[0-9][A-Za-z0-9.+_]*)", text) if isinstance(text, str) else None
-    if m is None or m[1] not in KNOWN_ENGINES:
+    if m is None or m[1] not in engines.ENGINES:
         return None
     return f"{m[1]}=={m[2]}"
 
@@ -198,12 +198,12 @@ def same_version(a: str, b: str) -> bool:
 def execution_mode(engine: str, mode: str) -> tuple[Optional[str], str]:
     """The execution mode a profile must record for ``mode`` of ``engine`` and a phrase saying why;
     None: any (``default`` of an engine this package has no adapter for)."""
-    table = EXECUTION_MODES.get(engine)
+    record = engines.ENGINES.get(engine)
+    table = record.execution_modes if record else None
     if mode == "default":
-        if table is None:
+        if record is None:
             return None, "any mode (no default is known for this engine)"
-        default = DEFAULT_MODES[engine]
-        return table[default], f"the engine's default: {default}"
+        return table[record.default_mode], f"the engine's default: {record.default_mode}"
     if table is not None and mode in table:
         return table[mode], f"{mode}, as asked"
     return mode, "as asked"
@@ -258,16 +258,16 @@ def _of_engine(candidates: Sequence[Candidate], w: Wanted, where: str) -> list[C
     pool = [c for c in candidates if c.engine == w.engine]
     if pool:
         return pool
-    engines = sorted({c.engine for c in candidates})
-    if w.engine not in KNOWN_ENGINES:
+    with_profiles = sorted({c.engine for c in candidates})
+    if w.engine not in engines.ENGINES:
         names = ", ".join(sorted(c.name for c in candidates)) or "none"
         raise UnknownEngine(
             f"no profile file, shipped profile or engine named {w.engine!r}; engines with profiles{where}: "
-            f"{', '.join(engines) or 'none'} (probe-engine probes {', '.join(KNOWN_ENGINES)}); profiles: {names}. "
+            f"{', '.join(with_profiles) or 'none'} (probe-engine probes {', '.join(engines.ENGINES)}); profiles: {names}. "
             f"Name a profile by engine as {SPEC_SYNTAX}, e.g. vllm, vllm==0.32.0 or vllm:eager"
         )
     raise NoMatchingProfile(
-        f"no {w.engine} profile{where} (profiles there are of: {', '.join(engines) or 'none'}); "
+        f"no {w.engine} profile{where} (profiles there are of: {', '.join(with_profiles) or 'none'}); "
         f"probe it with `probe-engine {w.engine}`"
     )
 
@@ -287,7 +287,8 @@ class _Steps:
         if mode is not None:
             fit = [c for c in pool if c.mode == mode]
             if not fit:
-                choices = ", ".join(sorted(EXECUTION_MODES.get(w.engine, {}))) or "the modes listed"
+                record = engines.ENGINES.get(w.engine)
+                choices = ", ".join(sorted(record.execution_modes if record else ())) or "the modes listed"
                 raise NoMatchingProfile(
                     f"no {w.engine} profile{where} in execution mode {mode} ({why}); {w.engine} profiles there are "
                     f"in mode {_listing([c.mode for c in pool])}: ask for one with '{w.engine}:MODE' ({choices}), or "

@@ -149,9 +149,9 @@ def installed_version(engine: str) -> Optional[str]:
     engine is not imported: vLLM takes seconds); None when it is not installed."""
     import importlib.metadata as md
 
-    from .names import ENGINE_DISTRIBUTIONS
+    from .engines import ENGINES
 
-    for dist in ENGINE_DISTRIBUTIONS.get(engine, (engine,)):
+    for dist in ENGINES[engine].distributions if engine in ENGINES else (engine,):
         try:
             return md.version(dist)
         except md.PackageNotFoundError:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engineprofiles import engines
 from engineprofiles.regions import FP32, REGIONS, Point
 from engineprofiles.regions.attention import KVSplit
 from engineprofiles.rounding import ACT_DTYPES
@@ -433,9 +434,11 @@ def plan_patch(model: torch.nn.Module, profile: Profile | str, *, skip_native: b
     shared_point = _shared_point(prof, decoders)
     _check_patchable(model, decoders)
     exact_point = _check_exact(model, decoders, prof, allow_other_machine) if exact else None
-    if kv_split is not None and (prof.engine.name != "vllm" or prof.engine.backend != "cpu"):
+    record = engines.ENGINES.get(prof.engine.name)
+    if kv_split is not None and (record is None or not record.split_kv or prof.engine.backend != "cpu"):
         raise ExactModeUnavailable(
-            f"kv_split models vLLM's CPU attention scheduler; profile {prof.canonical_name} is of "
+            f"kv_split models an engine's split-KV CPU decode (vLLM's attention scheduler); profile "
+            f"{prof.canonical_name} is of "
             f"{prof.engine.name} on {prof.engine.backend}")
     fam = decoders[0].family
     # FP32 master weights (mixed precision): HF's own modules do not round as with weights stored in the

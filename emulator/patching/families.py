@@ -1,14 +1,9 @@
-"""What a model family is, to apply_profile: one declarative entry per family.
+"""What a model family is, to apply_profile: the checks of a live model.
 
-A :class:`Family` names the transformers module and class prefix of a decoder family and the few
-facts in which families differ (Qwen3's q/k norms). ``classes()`` finds the classes on the
-installed transformers; ``check_decoder`` checks that a live model is made of exactly those
-modules, with the RoPE and activation the regions model, before anything is patched. Adding a
-family with the same layer structure is one more entry in :data:`FAMILIES`. A family with sparse MoE
-blocks (``moe=True``: Qwen3-MoE) has, in each decoder layer, either the family's dense MLP or its
-sparse MoE block (a router and the experts, whose SwiGLU expert MLPs and weighted combine the
-profile's ``moe`` entry describes); in Qwen2-MoE (``shared_expert=True``) the block also has a gated
-shared expert, whose sum with the routed output the profile's ``shared_expert`` entry describes.
+The families themselves are the bottom layer's table (engineprofiles.families.FAMILIES: module, class
+prefix and the facts in which families differ). ``check_decoder`` checks that a live model is made of
+exactly the family's modules, with the RoPE and activation the regions model, before anything is
+patched.
 
 :data:`NATIVE` is the lattice point each region of HF's own modules computes (eager, any device),
 checked against the probe of the installed transformers by tests/emulator/test_patching.py.
@@ -16,13 +11,13 @@ checked against the probe of the installed transformers by tests/emulator/test_p
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from engineprofiles.regions.rope import DYNAMIC_CONVENTIONS
+from engineprofiles.engines import ENGINES, RopeConventions
+from engineprofiles.families import FAMILIES, Family, families_text  # noqa: F401  (the family table)
 from engineprofiles.regions import (
     ADD_SPEC,
     PLAIN_SPEC,
@@ -49,81 +44,6 @@ NATIVE: dict[str, Point] = {
     ),
     "rmsnorm": PLAIN_SPEC.point(normalized=ROUNDED, output=ROUNDED, rstd="rsqrt"),
 }
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    models: str  # the HF model types it covers, for messages
-    module: str
-    prefix: str
-    qk_norm: bool
-    # Where the attention reads its sliding window: its own ``sliding_window`` attribute (Qwen2, Qwen3;
-    # None on Llama), or the config (Mistral's attention passes ``config.sliding_window`` to HF's
-    # attention function, and its model builds the windowed mask from it).
-    window_in_config: bool = False
-    # Sparse MoE blocks (``{prefix}SparseMoeBlock``: a ``gate`` router ``{prefix}TopKRouter`` and the
-    # ``experts`` ``{prefix}Experts``) in the layers that are not dense (config.mlp_only_layers,
-    # decoder_sparse_step); they compute at the profile's ``moe`` point.
-    moe: bool = False
-    # The sparse blocks also have a shared expert (Qwen2-MoE: ``shared_expert``, the family's dense MLP
-    # class, and ``shared_expert_gate``, a Linear hidden -> 1), computed at the profile's
-    # ``shared_expert`` point and added to the routed experts' output.
-    shared_expert: bool = False
-
-    def sliding_window(self, attention: Any) -> Any:
-        """The sliding window the family's attention module uses (None: full causal attention)."""
-        if self.window_in_config:
-            return getattr(attention.config, "sliding_window", None)
-        return getattr(attention, "sliding_window", None)
-
-    def classes(self) -> dict[str, Any]:
-        m = importlib.import_module(self.module)
-        p = self.prefix
-        return dict(
-            model=getattr(m, f"{p}Model"), layer=getattr(m, f"{p}DecoderLayer"), attention=getattr(m, f"{p}Attention"),
-            mlp=getattr(m, f"{p}MLP"), norm=getattr(m, f"{p}RMSNorm"), rotary=getattr(m, f"{p}RotaryEmbedding"),
-            eager_attention=m.eager_attention_forward, replaced=self.replaced(m),
-            **({"sparse": getattr(m, f"{p}SparseMoeBlock"), "experts": getattr(m, f"{p}Experts"),
-                "router": getattr(m, f"{p}TopKRouter")} if self.moe else {}),
-        )
-
-    def replaced(self, m: Any) -> list[tuple[str, str]]:
-        """(name, replacement's module) of each region class or function of the family's modeling module
-        that another library replaced at module level, e.g. Liger-Kernel's ``apply_liger_kernel_to_qwen2()``
-        (``Qwen2RMSNorm = LigerRMSNorm``, ``Qwen2MLP = LigerSwiGLUMLP``, ``apply_rotary_pos_emb = ...``)."""
-        p = self.prefix
-        names = (f"{p}RMSNorm", f"{p}MLP", "apply_rotary_pos_emb", f"{p}DecoderLayer", f"{p}Attention",
-                 f"{p}RotaryEmbedding", f"{p}Model", "eager_attention_forward")
-        if self.moe:
-            names += (f"{p}SparseMoeBlock", f"{p}Experts", f"{p}TopKRouter")
-        out = []
-        for n in names:
-            obj = getattr(m, n, None)
-            where = getattr(obj, "__module__", None)
-            if obj is not None and where != m.__name__ and not (where or "").startswith("transformers."):
-                out.append((n, f"{where}.{getattr(obj, '__qualname__', n)}"))
-        return out
-
-
-FAMILIES: dict[str, Family] = {
-    f.name: f
-    for f in (
-        Family("qwen2", "Qwen2, Qwen2.5", "transformers.models.qwen2.modeling_qwen2", "Qwen2", qk_norm=False),
-        Family("qwen3", "Qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3", qk_norm=True),
-        Family("llama", "Llama", "transformers.models.llama.modeling_llama", "Llama", qk_norm=False),
-        Family("mistral", "Mistral", "transformers.models.mistral.modeling_mistral", "Mistral", qk_norm=False,
-               window_in_config=True),
-        Family("qwen3_moe", "Qwen3-MoE", "transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe", qk_norm=True,
-               moe=True),
-        Family("qwen2_moe", "Qwen2-MoE, Qwen1.5-MoE", "transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2Moe",
-               qk_norm=False, moe=True, shared_expert=True),
-    )
-}
-
-
-def families_text() -> str:
-    return ", ".join(f"{f.name} ({f.models}: {f.prefix}Model)" for f in FAMILIES.values())
 
 
 @dataclass
@@ -308,10 +228,9 @@ def _rope_of(d: Decoder, engine: str, head_dim: int) -> tuple[RopeFrequencies, f
         )
     try:
         theta = getattr(cfg, "rope_theta", None)
-        rope = RopeFrequencies.from_parameters(rotary_dim, params, theta=theta,
-                                               linear_scales="frequency" if engine == "transformers" else "position",
-                                               attention_factor=engine != "sglang",
-                                               dynamic=engine if engine in DYNAMIC_CONVENTIONS else None,
+        conv = ENGINES[engine].rope if engine in ENGINES else RopeConventions()
+        rope = RopeFrequencies.from_parameters(rotary_dim, params, theta=theta, linear_scales=conv.linear_scales,
+                                               attention_factor=conv.attention_factor, dynamic=conv.dynamic,
                                                max_position_embeddings=getattr(cfg, "max_position_embeddings", None))
         hf_scale = rope.mscale if rope.rope_type != "yarn" else RopeFrequencies.from_parameters(
             rotary_dim, params, theta=theta).mscale

@@ -1,30 +1,24 @@
-"""Engine adapters. Each imports its engine lazily, so this package imports anywhere."""
+"""Engine adapters. Each imports its engine lazily, so this package imports anywhere; which class is an
+engine's adapter is its record's ``adapter`` (engineprofiles.engines)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING
 
-from ...errors import EngineProfilesError
+from ... import engines
 
 if TYPE_CHECKING:  # torch is loaded by the process that probes, not by one that hands over
     import torch
 
     from ..base import Adapter
 
-ENGINES = ("vllm", "sglang", "transformers")
-
 
 def make_adapter(engine: str, mode: str, dtype: torch.dtype, device: str, model: str | None = None) -> Adapter:
-    if engine == "vllm":
-        from .vllm import VllmAdapter
-
-        return VllmAdapter(mode=mode, dtype=dtype, device=device)
-    if engine == "sglang":
-        from .sglang import SglangAdapter
-
-        return SglangAdapter(mode=mode, dtype=dtype, device=device)
-    if engine == "transformers":
-        from .transformers import TransformersAdapter
-
-        return TransformersAdapter(mode=mode, dtype=dtype, device=device, family=model)
-    raise EngineProfilesError(f"unknown engine {engine!r}")
+    """The adapter of ``engine`` in ``mode`` (``model``: the family, for an adapter that builds the
+    family's own modules, as transformers' does)."""
+    cls = engines.get(engine).load("adapter")
+    kwargs = dict(mode=mode, dtype=dtype, device=device)
+    if "family" in inspect.signature(cls).parameters:
+        kwargs["family"] = model
+    return cls(**kwargs)

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
-from ...names import ENGINE_MODES, check_mode_name
+from ...engines import ENGINES
+from ...names import check_mode_name
 from ..base import Adapter, EngineInfo, EngineNotInstalled, RegionImpl, Unavailable
 
-MODES = ENGINE_MODES["sglang"]
+MODES = ENGINES["sglang"].modes
 # Attention probe cases on top of the standard ones, where torch's CPU flash attention has choices the
 # standard cases leave tied: long flat rows with head dims 128 and 96 (softmax scales that are not powers
 # of two: where the scale multiplies) and many short rows of many heads (the row sum's order: rows of

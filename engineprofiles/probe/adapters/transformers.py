@@ -20,10 +20,11 @@ from typing import Any, Iterator
 
 import torch
 
-from ...names import ENGINE_MODES, FAMILY_NAMES, MOE_FAMILY_NAMES, check_family_name, check_mode_name
+from ...engines import ENGINES
+from ...families import FAMILIES
+from ...names import check_family_name, check_mode_name
 from ..base import Adapter, EngineInfo, EngineNotInstalled, RegionImpl, Unavailable
 
-FAMILIES = FAMILY_NAMES
 CAPTURE = "engineprofiles_capture"
 
 
@@ -36,38 +37,10 @@ def _import():
 
 
 def family_classes(family: str):
-    check_family_name(family)
-    if family == "qwen2":
-        from transformers import Qwen2Config as C
-        from transformers.models.qwen2 import modeling_qwen2 as m
-
-        return C, m.Qwen2DecoderLayer, m.Qwen2RotaryEmbedding
-    if family == "qwen3":
-        from transformers import Qwen3Config as C
-        from transformers.models.qwen3 import modeling_qwen3 as m
-
-        return C, m.Qwen3DecoderLayer, m.Qwen3RotaryEmbedding
-    if family == "mistral":
-        from transformers import MistralConfig as C
-        from transformers.models.mistral import modeling_mistral as m
-
-        return C, m.MistralDecoderLayer, m.MistralRotaryEmbedding
-    if family == "llama":
-        from transformers import LlamaConfig as C
-        from transformers.models.llama import modeling_llama as m
-
-        return C, m.LlamaDecoderLayer, m.LlamaRotaryEmbedding
-    if family == "qwen3_moe":
-        from transformers import Qwen3MoeConfig as C
-        from transformers.models.qwen3_moe import modeling_qwen3_moe as m
-
-        return C, m.Qwen3MoeDecoderLayer, m.Qwen3MoeRotaryEmbedding
-    if family == "qwen2_moe":
-        from transformers import Qwen2MoeConfig as C
-        from transformers.models.qwen2_moe import modeling_qwen2_moe as m
-
-        return C, m.Qwen2MoeDecoderLayer, m.Qwen2MoeRotaryEmbedding
-    raise AssertionError(family)  # pragma: no cover - FAMILY_NAMES and the branches above agree
+    """The family's config class, decoder layer and rotary embedding on the installed transformers."""
+    fam = FAMILIES[check_family_name(family)]
+    classes = fam.classes()
+    return getattr(_import(), fam.config), classes["layer"], classes["rotary"]
 
 
 def _capture_fn(module, query, key, value, attention_mask, **kwargs):
@@ -136,7 +109,7 @@ def find_decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 class TransformersAdapter(Adapter):
     name = "transformers"
-    modes = ENGINE_MODES["transformers"]
+    modes = ENGINES["transformers"].modes
 
     def __init__(self, mode: str = "default", dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                  family: str | None = None, model: torch.nn.Module | None = None, label: str | None = None):
@@ -248,7 +221,7 @@ class TransformersAdapter(Adapter):
         owner = type(given).__name__ if given is not None else f"{prefix}Experts"
         router_name = type(given_router).__name__ if given_router is not None else f"{prefix}TopKRouter"
         return RegionImpl(moe, f"transformers {router_name}.forward (identity gate), then {owner}.forward ({default})",
-                          [f"model family {self.family if self.family in MOE_FAMILY_NAMES else 'qwen3_moe'}, "
+                          [f"model family {self.family if self.family in FAMILIES and FAMILIES[self.family].moe else 'qwen3_moe'}, "
                            f"{torch.get_num_threads()} threads"])
 
     def shared_expert(self) -> RegionImpl | Unavailable:
@@ -319,7 +292,7 @@ class TransformersAdapter(Adapter):
                 head_dim=head_dim, num_hidden_layers=1, vocab_size=32, rms_norm_eps=eps,
                 rope_parameters={"rope_type": "default", "rope_theta": base}, max_position_embeddings=1 << 17,
                 # an MoE family's layer with a dense MLP: the swiglu region (its experts are probed by moe())
-                **({"mlp_only_layers": [0]} if self.family in MOE_FAMILY_NAMES else {}))
+                **({"mlp_only_layers": [0]} if FAMILIES[self.family].moe else {}))
         cfg._attn_implementation = "eager"
         layer = Layer(cfg, layer_idx=0).to(device=self.device, dtype=self.dtype)
         rot = Rotary(cfg).to(self.device)

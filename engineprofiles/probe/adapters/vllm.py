@@ -18,10 +18,11 @@ from typing import Any, Callable
 
 import torch
 
-from ...names import ENGINE_MODES, check_mode_name
+from ...engines import ENGINES
+from ...names import check_mode_name
 from ..base import Adapter, EngineInfo, EngineNotInstalled, RegionImpl, Unavailable
 
-MODES = ENGINE_MODES["vllm"]
+MODES = ENGINES["vllm"].modes
 INSTALL_HINT = "scripts/engine_env.sh vllm 0.32.0"
 
 
