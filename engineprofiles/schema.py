@@ -32,6 +32,10 @@ V3_MOE_REASON = ("not probed: the profile was written with schema version 3, bef
                  "re-probe")
 V4_SHARED_REASON = ("not probed: the profile was written with schema version 4, before the MoE shared expert was "
                     "probed; re-probe")
+# The version each entry beside the regions came with (an older profile records it as not probed) and
+# the version the evidence's scope came with: what the emulator's messages and the tests' older files read.
+ENTRY_SINCE = {"attention": 2, "moe": 4, "shared_expert": 5}
+SCOPE_SINCE = 3
 
 Precision = Literal["fp32", "rounded"]
 SettingValue = Optional[str | int | float | bool | list[str]]
@@ -125,12 +129,15 @@ def _entry_model(spec: RegionSpec) -> type[StrictModel]:
     sites = create_model(
         f"{spec.name}_sites",
         __base__=StrictModel,
-        **{c.name: (Literal[c.options], Field(description=c.doc)) for c in spec.sites},  # type: ignore[valid-type]
+        # a site added after profiles were shipped takes its default where a profile has none (Choice.default)
+        **{c.name: (Literal[c.options], Field(... if c.default is None else c.default, description=c.doc))
+           for c in spec.sites},  # type: ignore[valid-type]
     )
     variants = create_model(
         f"{spec.name}_variants",
         __base__=StrictModel,
-        **{c.name: (Literal[c.options], Field(c.options[0], description=c.doc)) for c in spec.variants},  # type: ignore[valid-type]
+        **{c.name: (Literal[c.options], Field(c.options[0] if c.default is None else c.default, description=c.doc))
+           for c in spec.variants},  # type: ignore[valid-type]
     )
 
     def _check(self: Any) -> Any:
@@ -149,12 +156,11 @@ def _entry_model(spec: RegionSpec) -> type[StrictModel]:
     return model
 
 
-def _dump_variants(spec: RegionSpec, variants: Any) -> dict[str, str]:
-    """An entry's variants as written: every one, except a variant the spec added after profiles were
-    shipped (``RegionSpec.late_variants``) while it holds its first option, the meaning a file without
-    it has (attention's ``output: nearest``), so that those files load and dump to the same bytes."""
-    return {k: v for k, v in variants.model_dump().items()
-            if not (k in spec.late_variants and v == spec.choice(k).options[0])}
+def _dump_choices(spec: RegionSpec, values: Any) -> dict[str, str]:
+    """An entry's sites or variants as written: every one, except a site or variant the spec added after
+    profiles were shipped (``Choice.default``) while it holds that default, the meaning a file without it
+    has (attention's ``output: nearest``), so that those files load and dump to the same bytes."""
+    return {k: v for k, v in values.model_dump().items() if v != spec.choice(k).default}
 
 
 ENTRY_MODELS = {name: _entry_model(spec) for name, spec in REGIONS.items()}
@@ -268,20 +274,20 @@ class Profile(StrictModel):
     def to_yaml(self) -> str:
         data = self.model_dump(mode="json", exclude_defaults=True)
         data["schema_version"] = self.schema_version
-        # Keep every region's sites visible even when they equal a default.
+        # Keep every region's sites visible even when they equal a default (not a late site's: _dump_choices).
         for name, spec in REGIONS.items():
             data["regions"].setdefault(name, {})
             entry = self.entry(name)
             data["regions"][name] = {
-                "sites": None if entry.sites is None else entry.sites.model_dump(),
-                "variants": _dump_variants(spec, entry.variants),
+                "sites": None if entry.sites is None else _dump_choices(spec, entry.sites),
+                "variants": _dump_choices(spec, entry.variants),
                 "evidence": entry.evidence.model_dump(mode="json", exclude_defaults=True),
             }
         for name, spec in BESIDE.items():
             e = self.entry(name)
             data[name] = {
-                "sites": None if e.sites is None else e.sites.model_dump(),
-                "variants": _dump_variants(spec, e.variants),
+                "sites": None if e.sites is None else _dump_choices(spec, e.sites),
+                "variants": _dump_choices(spec, e.variants),
                 "evidence": e.evidence.model_dump(mode="json", exclude_defaults=True),
             }
         ordered = {k: data[k] for k in ("schema_version", "engine", "dtype", "regions", *BESIDE, "provenance")}
@@ -429,6 +435,25 @@ def migrate(data: dict[str, Any], source: str = "<profile>") -> dict[str, Any]:
                                "schema_version: 5 or remove the entry", source=source, field="shared_expert")
         data = {**data, "schema_version": 5,
                 "shared_expert": {"sites": None, "evidence": {"status": "unavailable", "reason": V4_SHARED_REASON}}}
+    return data
+
+
+def as_version(data: dict[str, Any], version: int) -> dict[str, Any]:
+    """A current profile's YAML data as schema ``version`` wrote it (the inverse of :func:`migrate`, for
+    tests and tools that make older files): no entry that came after ``version`` (:data:`ENTRY_SINCE`),
+    no evidence scope before :data:`SCOPE_SINCE`."""
+    import copy
+
+    if version not in SUPPORTED_SCHEMA_VERSIONS:
+        raise ValueError(f"schema version {version} is not one of {SUPPORTED_SCHEMA_VERSIONS}")
+    data = copy.deepcopy(data)
+    data["schema_version"] = version
+    for entry, since in ENTRY_SINCE.items():
+        if version < since:
+            data.pop(entry, None)
+    if version < SCOPE_SINCE:
+        for entry in [*data.get("regions", {}).values(), *(data[e] for e in ENTRY_SINCE if e in data)]:
+            (entry.get("evidence") or {}).pop("scope", None)
     return data
 
 

@@ -95,23 +95,10 @@ def _never_replace_a_special_file(monkeypatch):
 
 
 def as_schema_version(data: dict, version: int) -> dict:
-    """A current profile's YAML data as an older schema version wrote it: version 4 has no
-    shared_expert entry (it came with 5), version 3 no moe entry either (it came with 4), version 2 no
-    evidence scope either (it came with 3), version 1 no attention entry either (it came with 2)."""
-    import copy
+    """A current profile's YAML data as an older schema version wrote it (engineprofiles.schema.as_version)."""
+    from engineprofiles.schema import as_version
 
-    data = copy.deepcopy(data)
-    data["schema_version"] = version
-    if version < 5:
-        data.pop("shared_expert", None)
-    if version < 4:
-        data.pop("moe", None)
-    for entry in list(data.get("regions", {}).values()) + [data.get("attention") or {}]:
-        if version < 3:
-            (entry.get("evidence") or {}).pop("scope", None)
-    if version == 1:
-        data.pop("attention", None)
-    return data
+    return as_version(data, version)
 
 
 def assert_as_the_tool_wrote_it(path, profile) -> None:
@@ -121,7 +108,7 @@ def assert_as_the_tool_wrote_it(path, profile) -> None:
     in what the migration adds (the version number, evidence scope, the moe and shared_expert entries), and round-trips to itself."""
     import yaml
 
-    from engineprofiles.schema import SCHEMA_VERSION, profile_from_yaml
+    from engineprofiles.schema import ENTRY_SINCE, SCHEMA_VERSION, profile_from_yaml
 
     text = Path(path).read_text(encoding="utf-8")
     dumped = profile.to_yaml()
@@ -131,7 +118,8 @@ def assert_as_the_tool_wrote_it(path, profile) -> None:
     assert profile_from_yaml(dumped).to_yaml() == dumped
     lines = dumped.splitlines()
     # Entries the migration adds, each "not probed" with the version the file was written under.
-    for entry, after, before in (("moe:", "shared_expert:", 3), ("shared_expert:", "provenance:", 4)):
+    for entry, after in (("moe", "shared_expert:"), ("shared_expert", "provenance:")):
+        entry, before = entry + ":", ENTRY_SINCE[entry] - 1
         if entry not in text.splitlines():
             start, end = lines.index(entry), lines.index(after)
             assert f"reason: 'not probed: the profile was written with schema version {before}" in "\n".join(

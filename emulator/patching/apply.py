@@ -11,7 +11,7 @@ from engineprofiles import engines
 from engineprofiles.regions import FP32, REGIONS, Point
 from engineprofiles.regions.attention import KVSplit
 from engineprofiles.rounding import ACT_DTYPES
-from engineprofiles.schema import Profile
+from engineprofiles.schema import ENTRY_SINCE, Profile
 from engineprofiles.store import get_profile, names_engine
 
 from ..errors import (
@@ -97,8 +97,7 @@ def _regions(profile: Profile) -> dict[str, Point]:
     return points
 
 
-def _block_point(profile: Profile, entry: str, blocks: list[str], what: str, computes: str,
-                 version: int) -> Point | None:
+def _block_point(profile: Profile, entry: str, blocks: list[str], what: str, computes: str) -> Point | None:
     """The profile's point for ``entry`` (beside the regions) when the model has the sparse MoE
     ``blocks`` it concerns (None when it has none: the entry does not affect the model); refused
     when the profile has none measured."""
@@ -110,7 +109,7 @@ def _block_point(profile: Profile, entry: str, blocks: list[str], what: str, com
             f"profile {profile.canonical_name} has no measured {entry} entry ({profile.entry(entry).evidence.reason}), "
             f"and the model has {what} ({blocks[0]}{more}) whose {computes} the patch computes at the profile's "
             f"{entry} point; so it changes nothing: use a profile in which {entry} was measured (schema version "
-            f"{version}, probed with this version of engineprofiles)"
+            f"{ENTRY_SINCE[entry]} or later, probed with this version of engineprofiles)"
         )
     return profile.point(entry)
 
@@ -118,14 +117,14 @@ def _block_point(profile: Profile, entry: str, blocks: list[str], what: str, com
 def _moe_point(profile: Profile, decoders: list[Decoder]) -> Point | None:
     """The ``moe`` point for a model with sparse MoE blocks (their routed experts)."""
     blocks = [f"{d.path}.layers.{i}.mlp" for d in decoders for i in d.sparse]
-    return _block_point(profile, "moe", blocks, "sparse MoE blocks", "experts", 4)
+    return _block_point(profile, "moe", blocks, "sparse MoE blocks", "experts")
 
 
 def _shared_point(profile: Profile, decoders: list[Decoder]) -> Point | None:
     """The ``shared_expert`` point for a model whose sparse MoE blocks have a shared expert (Qwen2-MoE)."""
     blocks = [f"{d.path}.layers.{i}.mlp" for d in decoders if d.family.shared_expert for i in d.sparse]
     return _block_point(profile, "shared_expert", blocks, "sparse MoE blocks with a shared expert",
-                        "shared expert and sum with the routed experts", 5)
+                        "shared expert and sum with the routed experts")
 
 
 def _check_machine(model: torch.nn.Module, profile: Profile, allow_other_machine: bool) -> None:

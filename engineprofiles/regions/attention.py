@@ -92,12 +92,11 @@ SPEC = RegionSpec(
         variant("normalize", ("reciprocal_f64", "divide", "before_pv"),
                 "the division by the sum: output times fp32(1/fp64(sum)), output / sum, or the weights divided "
                 "before they multiply v"),
+        # ``output`` came after profiles were shipped (2026-12-05): a profile without it rounds to nearest.
         variant("output", ("nearest", "truncate"),
                 "the FP32 output converted to the activation dtype: rounded to nearest even, or truncated "
-                "(the low 16 bits of the FP32 pattern dropped; BF16 only)"),
+                "(the low 16 bits of the FP32 pattern dropped; BF16 only)", default="nearest"),
     ),
-    # ``output`` came after profiles were shipped (2026-12-05): a profile without it rounds to nearest.
-    late_variants=("output",),
 )
 
 # The constants of the poly5_fma exp, as FP32 bit patterns where the kernels write them so.

@@ -34,14 +34,24 @@ class Choice:
     options: tuple[str, ...]
     doc: str
     kind: Literal["site", "variant"] = "site"
+    # A site or variant added after profiles were shipped: the option a profile without it means (what
+    # the region computed before it was told apart). Such a profile loads with it, and a profile holding
+    # it is written without it, so shipped files keep their bytes. None: every profile names it.
+    default: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.default is not None and self.default not in self.options:
+            raise PointError(f"{self.name}: default {self.default!r} is not one of its options {self.options}")
 
 
-def site(name: str, doc: str) -> Choice:
-    return Choice(name, PRECISIONS, doc, "site")
+def site(name: str, doc: str, *, default: str | None = None) -> Choice:
+    """A rounding site (``default``: see :class:`Choice`, for a site added after profiles were shipped)."""
+    return Choice(name, PRECISIONS, doc, "site", default)
 
 
-def variant(name: str, options: tuple[str, ...], doc: str) -> Choice:
-    return Choice(name, options, doc, "variant")
+def variant(name: str, options: tuple[str, ...], doc: str, *, default: str | None = None) -> Choice:
+    """A formula variant (``default``: see :class:`Choice`, for a variant added after profiles were shipped)."""
+    return Choice(name, options, doc, "variant", default)
 
 
 class Point(Mapping[str, str]):
@@ -94,9 +104,6 @@ class RegionSpec:
     variants: tuple[Choice, ...] = ()
     # Rules mapping points that can never produce different outputs onto one representative.
     canonical_rules: Callable[[dict[str, str]], dict[str, str]] = field(default=lambda d: d)
-    # Variants added after profiles were shipped: a profile without one means its first option (the
-    # meaning the older files had), and a profile is written without it while it holds that option.
-    late_variants: tuple[str, ...] = ()
 
     @property
     def choices(self) -> tuple[Choice, ...]:

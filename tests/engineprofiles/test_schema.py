@@ -505,3 +505,54 @@ def test_version_4_files_migrate_with_the_shared_expert_not_probed_and_a_version
     data.pop("shared_expert")
     with pytest.raises(ProfileError, match="missing shared_expert entry"):
         profile_from_yaml(yaml.safe_dump(data), "v5-without-shared.yaml")
+
+
+_LATE_SITE = """
+import dataclasses, sys
+from engineprofiles import regions
+from engineprofiles.regions.base import site
+spec = regions.REGIONS["swiglu"]
+late = site("late_test", "a site added after profiles were shipped", default={default!r})
+regions.REGIONS["swiglu"] = dataclasses.replace(spec, sites=spec.sites + (late,))
+from engineprofiles.errors import ProfileError
+from engineprofiles.schema import SCHEMA_VERSION, load_profile, with_points
+from engineprofiles.store import shipped_dir
+import yaml
+for path in sorted(shipped_dir().glob("*.yaml")):
+    try:
+        p = load_profile(path)
+    except ProfileError as e:
+        print("REFUSED", path.name, e)
+        continue
+    text = path.read_text()
+    if p.available("swiglu"):
+        assert p.point("swiglu")["late_test"] == {default!r}, path
+    if yaml.safe_load(text)["schema_version"] == SCHEMA_VERSION:
+        assert p.to_yaml() == text, path  # the same bytes: the late site at its default is not written
+    if p.available("swiglu"):  # a profile that holds another option writes it
+        other = with_points(p, {{"swiglu": p.point("swiglu").replace(late_test="fp32")}})
+        assert "late_test: fp32" in other.to_yaml()
+    print("LOADED", path.name)
+"""
+
+
+def test_a_site_added_with_a_default_loads_every_shipped_profile_and_keeps_their_bytes():
+    """Adding a site to a region (docs/ARCHITECTURE.md's recipe) with the meaning older profiles have
+    (``site(..., default=...)``) breaks no shipped profile: each loads with the site at its default and
+    is written to the same bytes; without a default every one that measured the region is refused."""
+    import subprocess
+    import sys
+
+    from engineprofiles.store import shipped_dir
+
+    n = len(list(shipped_dir().glob("*.yaml")))
+    r = subprocess.run([sys.executable, "-c", _LATE_SITE.format(default="rounded")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("LOADED") == n and "REFUSED" not in r.stdout, r.stdout
+    # the control: the same site without a default (a required field) refuses the shipped profiles
+    required = _LATE_SITE.format(default="rounded").replace(', default="rounded")', ")").replace(
+        ", default='rounded')", ")")
+    r = subprocess.run([sys.executable, "-c", required], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "late_test" in r.stdout and r.stdout.count("REFUSED") >= n - 1, r.stdout
