@@ -495,7 +495,6 @@ def capture_sglang(model_dir: str, prompts: list[list[int]], max_tokens: int, se
     standin = check_sgl_kernel_standin()
     import json
 
-    import torch
     import sglang
 
     with open(os.path.join(model_dir, "config.json")) as f:
@@ -518,48 +517,12 @@ def capture_sglang(model_dir: str, prompts: list[list[int]], max_tokens: int, se
         _log(f"SGLang {sglang.__version__} engine up in {time.perf_counter() - t0:.1f}s ({standin})")
         seen: set[str] = set()
         _read_calls(folder, seen)  # anything the start-up ran
-        n_layers = None
         backend: dict[str, Any] = {}
         sequences = []
         for j, prompt in enumerate(prompts):
-            out = engine.generate(input_ids=prompt, sampling_params=dict(max_new_tokens=max_tokens, temperature=1.0,
-                                  sampling_seed=seed + j, ignore_eos=True), return_logprob=True)
-            calls = _read_calls(folder, seen)
-            attn = [c for c in calls if c["kind"] == "attn"]
-            if n_layers is None:
-                n_layers = 1 + max(c["layer"] for c in attn)
-                first = attn[0]
-                backend = dict(scale=first["scale"], decode_samples="per_call", backend=first["backend"],
-                               torch_threads=first["threads"], split_kv=False)
-            sample_calls = [[dict(q=c["q"], k=c["k"], v=c["v"], out=c["out"]) for c in attn if c["layer"] == i]
-                            for i in range(n_layers)]
-            meta = out["meta_info"]
-            completion = list(out["output_ids"])
-            sample_lp = [float(lp) for lp, tok, _ in meta["output_token_logprobs"]]
-            if [tok for _, tok, _ in meta["output_token_logprobs"]] != completion:
-                raise CaptureFailure("engine", "SGLang's output_token_logprobs do not name the sampled tokens")
-            full = prompt + completion
-            res = engine.generate(input_ids=full, sampling_params=dict(max_new_tokens=1, temperature=0.0),
-                                  return_logprob=True, logprob_start_len=0)
-            calls = _read_calls(folder, seen)
-            itl = res["meta_info"]["input_token_logprobs"]
-            # SGLang 0.5.23 reports the id vocab_size - 1 as 0 in input_token_logprobs ("clip padded hash values
-            # of image tokens", an off by one): the log-prob itself is of the real token (its ids are clamped
-            # to vocab_size - 1, not replaced), only the id shown differs.
-            shown = [t for _, t, _ in itl]
-            if len(itl) != len(full) or any(s != t and not (s == 0 and t == vocab - 1) for s, t in zip(shown, full)):
-                raise CaptureFailure("engine", f"SGLang's prompt log-probs name other tokens than the {len(full)} "
-                                     f"scored: {shown} for {full}")
-            prompt_lp = [None] + [float(lp) for lp, _, _ in itl[1:]]
-            layers = []
-            for i in range(n_layers):
-                call = next((c for c in calls if c["kind"] == "attn" and c["layer"] == i
-                             and c["q"].shape[0] == len(full)), None)
-                layers.append(None if call is None else dict(q=call["q"], k=call["k"], v=call["v"], out=call["out"]))
-            hidden = _full_hidden([c["hidden"] for c in calls if c["kind"] == "hidden"], len(full))
-            sequences.append(dict(prompt=prompt, completion=completion, sample_logprobs=sample_lp,
-                                  prompt_logprobs=prompt_lp, layers=layers, hidden=hidden, sample_calls=sample_calls))
-            _log(f"sequence {j + 1}/{len(prompts)}: {len(prompt)} prompt + {len(completion)} sampled tokens")
+            sequences.append(_sglang_sequence(engine, folder, seen, prompt, max_tokens, seed + j, vocab, backend))
+            _log(f"sequence {j + 1}/{len(prompts)}: {len(prompt)} prompt + {len(sequences[-1]['completion'])} sampled "
+                 "tokens")
         batch = batch_check_sglang(engine, folder, seen, prompts, sequences, max_tokens, seed, vocab) \
             if batch_check else None
         sa = engine.server_args
@@ -568,30 +531,77 @@ def capture_sglang(model_dir: str, prompts: list[list[int]], max_tokens: int, se
         import shutil
 
         shutil.rmtree(folder, ignore_errors=True)
+    return dict(engine=_sglang_record(sa, backend, mode, standin), model_dir=model_dir, sequences=sequences, seed=seed,
+                seconds=time.perf_counter() - t0, **({"batch_check": batch} if batch is not None else {}))
+
+
+def _sglang_sequence(engine, folder: str, seen: set[str], prompt: list[int], max_tokens: int, seed: int, vocab: int,
+                     backend: dict[str, Any]) -> dict[str, Any]:
+    """One prompt through SGLang's engine: sampled with ``seed``, then prompt + completion re-scored;
+    the attention calls and final hidden states of each. ``backend``: filled from the first call seen."""
+    out = engine.generate(input_ids=prompt, sampling_params=dict(max_new_tokens=max_tokens, temperature=1.0,
+                          sampling_seed=seed, ignore_eos=True), return_logprob=True)
+    attn = [c for c in _read_calls(folder, seen) if c["kind"] == "attn"]
+    n_layers = 1 + max(c["layer"] for c in attn)
+    if not backend:
+        first = attn[0]
+        backend.update(scale=first["scale"], decode_samples="per_call", backend=first["backend"],
+                       torch_threads=first["threads"], split_kv=False)
+    sample_calls = [[dict(q=c["q"], k=c["k"], v=c["v"], out=c["out"]) for c in attn if c["layer"] == i]
+                    for i in range(n_layers)]
+    meta = out["meta_info"]
+    completion = list(out["output_ids"])
+    sample_lp = [float(lp) for lp, tok, _ in meta["output_token_logprobs"]]
+    if [tok for _, tok, _ in meta["output_token_logprobs"]] != completion:
+        raise CaptureFailure("engine", "SGLang's output_token_logprobs do not name the sampled tokens")
+    full = prompt + completion
+    res = engine.generate(input_ids=full, sampling_params=dict(max_new_tokens=1, temperature=0.0),
+                          return_logprob=True, logprob_start_len=0)
+    calls = _read_calls(folder, seen)
+    itl = res["meta_info"]["input_token_logprobs"]
+    # SGLang 0.5.23 reports the id vocab_size - 1 as 0 in input_token_logprobs ("clip padded hash values
+    # of image tokens", an off by one): the log-prob itself is of the real token (its ids are clamped
+    # to vocab_size - 1, not replaced), only the id shown differs.
+    shown = [t for _, t, _ in itl]
+    if len(itl) != len(full) or any(s != t and not (s == 0 and t == vocab - 1) for s, t in zip(shown, full)):
+        raise CaptureFailure("engine", f"SGLang's prompt log-probs name other tokens than the {len(full)} "
+                             f"scored: {shown} for {full}")
+    prompt_lp = [None] + [float(lp) for lp, _, _ in itl[1:]]
+    layers = []
+    for i in range(n_layers):
+        call = next((c for c in calls if c["kind"] == "attn" and c["layer"] == i and c["q"].shape[0] == len(full)),
+                    None)
+        layers.append(None if call is None else dict(q=call["q"], k=call["k"], v=call["v"], out=call["out"]))
+    hidden = _full_hidden([c["hidden"] for c in calls if c["kind"] == "hidden"], len(full))
+    return dict(prompt=prompt, completion=completion, sample_logprobs=sample_lp, prompt_logprobs=prompt_lp,
+                layers=layers, hidden=hidden, sample_calls=sample_calls)
+
+
+def _sglang_record(sa, backend: dict[str, Any], mode: str, standin: str) -> dict[str, Any]:
+    """What a capture records of SGLang's engine (``sa``: its server arguments)."""
+    import sglang
+    import torch
     from sglang.srt.utils import cpu_has_amx_support
 
     return dict(
-        engine=dict(name="sglang", version=str(sglang.__version__), torch_version=str(torch.__version__),
-                    compilation_mode="eager", mode=mode, cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                    **machine_fields(),
-                    # How SGLang 0.5.23 takes log-probs on CPU: prompt log-probs as (x - max) - logsumexp(x - max)
-                    # (sglang.srt.layers.logprob_processor); a sampled token's as log(softmax(x / T)) (its
-                    # sampler), unless --enable-deterministic-inference (then log_softmax).
-                    logprob_formula="shifted_logsumexp",
-                    decode_logprob_formula=("log_softmax" if getattr(sa, "enable_deterministic_inference", False)
-                                            else "log_of_softmax"),
-                    decode_logprobs_note="SGLang's sampler returns log(softmax(logits / T)) for sampled tokens, its "
-                    "prompt log-probs are (x - max) - logsumexp(x - max); --enable-deterministic-inference makes the "
-                    "sampler use log_softmax",
-                    attention=dict(backend, impl="RadixAttention", isa=torch.backends.cpu.get_cpu_capability(),
-                                   block_size=int(getattr(sa, "page_size", 1) or 1)),
-                    settings=dict(attention_backend=backend.get("backend", "?"),
-                                  enable_torch_compile=bool(getattr(sa, "enable_torch_compile", False)),
-                                  disable_radix_cache=True, cpu_has_amx_support=bool(cpu_has_amx_support()),
-                                  sgl_kernel=standin)),
-        model_dir=model_dir, sequences=sequences, seed=seed, seconds=time.perf_counter() - t0,
-        **({"batch_check": batch} if batch is not None else {}),
-    )
+        name="sglang", version=str(sglang.__version__), torch_version=str(torch.__version__),
+        compilation_mode="eager", mode=mode, cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        **machine_fields(),
+        # How SGLang 0.5.23 takes log-probs on CPU: prompt log-probs as (x - max) - logsumexp(x - max)
+        # (sglang.srt.layers.logprob_processor); a sampled token's as log(softmax(x / T)) (its
+        # sampler), unless --enable-deterministic-inference (then log_softmax).
+        logprob_formula="shifted_logsumexp",
+        decode_logprob_formula=("log_softmax" if getattr(sa, "enable_deterministic_inference", False)
+                                else "log_of_softmax"),
+        decode_logprobs_note="SGLang's sampler returns log(softmax(logits / T)) for sampled tokens, its "
+        "prompt log-probs are (x - max) - logsumexp(x - max); --enable-deterministic-inference makes the "
+        "sampler use log_softmax",
+        attention=dict(backend, impl="RadixAttention", isa=torch.backends.cpu.get_cpu_capability(),
+                       block_size=int(getattr(sa, "page_size", 1) or 1)),
+        settings=dict(attention_backend=backend.get("backend", "?"),
+                      enable_torch_compile=bool(getattr(sa, "enable_torch_compile", False)),
+                      disable_radix_cache=True, cpu_has_amx_support=bool(cpu_has_amx_support()),
+                      sgl_kernel=standin))
 
 
 def batch_check_sglang(engine, folder: str, seen: set[str], prompts: list[list[int]], sequences: list[dict[str, Any]],

@@ -442,14 +442,10 @@ def _check_mismatch_options(engine: str, family: str, size: dict[str, int], *, c
         raise EngineProfilesError(f"mismatch runs {' or '.join(loop)}; got {engine!r}")
     record = engines.get(engine)
     if mode not in record.loop_modes:
-        raise EngineProfilesError(f"mismatch runs {record.title} in mode {' or '.join(record.loop_modes)}; got --mode "
-                                  f"{mode!r}")
+        raise EngineProfilesError(f"mismatch runs {record.title} in its {' or '.join(record.loop_modes)} mode only; got "
+                                  f"--mode {mode!r}")
     _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out,
-                        plot=plot, profile=profile, seed=seed)
-    if rope_scaling is not None:
-        from engineprofiles.names import check_rope_scaling_name
-
-        check_rope_scaling_name(rope_scaling)
+                        plot=plot, profile=profile, seed=seed, rope_scaling=rope_scaling)
     if plot:
         _check_binary_stdout(plot, "--plot", "the PNG")
         tables.check_plot_available()
@@ -488,7 +484,7 @@ def _size(layers, hidden, intermediate, heads, kv_heads, head_dim) -> dict[str, 
 
 
 def _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out,
-                        plot=None, profile=None, seed=0) -> None:
+                        plot=None, profile=None, seed=0, rope_scaling=None) -> None:
     """The options of the engine-in-the-loop commands that need no engine: checked before it starts; the
     outputs together (runner.check_outputs): none of them the capture or profile file read, two outputs never
     one file, '-' (stdout) for one of them at most."""
@@ -497,6 +493,10 @@ def _check_loop_options(family, size, capture, save_capture, prompts, max_tokens
     from . import runner
 
     check_family_name(family)
+    if rope_scaling is not None:
+        from engineprofiles.names import check_rope_scaling_name
+
+        check_rope_scaling_name(rope_scaling)
     for k, v in size.items():
         if v < 1:
             raise EngineProfilesError(f"{k} must be a positive integer; got {v}")
@@ -595,16 +595,12 @@ def localize(
     size = _size(layers, hidden, intermediate, heads, kv_heads, head_dim)
     try:
         _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out,
-                            profile=profile, seed=seed)
+                            profile=profile, seed=seed, rope_scaling=rope_scaling)
         from .localize import TRAINERS
 
         bad = [t for t in trainer if t not in TRAINERS]
         if bad:
             raise EngineProfilesError(f"--trainer must be one of {', '.join(TRAINERS)}; got {', '.join(bad)}")
-        if rope_scaling is not None:
-            from engineprofiles.names import check_rope_scaling_name
-
-            check_rope_scaling_name(rope_scaling)
         require("insitu", "probe-engine localize (the trainer side: HF models patched by the emulator)")
         _check_profile_option(profile, engine, exact="exact" in trainer, capture=capture)
     except EngineProfilesError as e:
@@ -895,7 +891,7 @@ def _engine_command(engine: str):
             record = engines.get(engine)
             if mode not in record.in_situ_modes:
                 _fail(EngineProfilesError(
-                    f"--in-situ runs {record.title} in mode {' or '.join(record.in_situ_modes)} only (--mode {mode}: "
+                    f"--in-situ runs {record.title} in its {' or '.join(record.in_situ_modes)} mode only (--mode {mode}: "
                     f"{record.in_situ_note})"))
             _in_situ(engine, list(family or ["qwen3"]), output, seed, env, list(capture or []), prompts, print_yaml, mode,
                      dtype, device, ship, rope_scaling, self_check is not False)

@@ -118,17 +118,9 @@ def run_demo(engine: str = "vllm", *, family: str = "qwen2", steps: int = 8, pro
              prompt_len: int = 12, max_tokens: int = 16, lr: float = 3e-3, seed: int = 0, mode: str = "default",
              train_with: str = "exact", profile: str | None = None, env: str | None = None,
              note: Callable[[str], None] = lambda m: None) -> DemoResult:
-    from emulator.patching import apply_profile
-    from engineprofiles.metrics import rollout_corr
     from engineprofiles.models import tiny_model
-    from engineprofiles.store import get_profile
 
-    from emulator import as_sampled
-
-    from .capture import prompts_for
-    from engineprofiles.machine import record
-
-    from .mismatch import default_profile_name, engine_kv_split, machine_differences, save_model
+    from .mismatch import save_model
 
     if train_with not in SETUPS:
         raise EngineProfilesError(f"--train-with must be one of {', '.join(SETUPS)}; got {train_with!r}")
@@ -142,30 +134,7 @@ def run_demo(engine: str = "vllm", *, family: str = "qwen2", steps: int = 8, pro
         note(f"starting {engine} as the rollout worker (engine start-up takes a while)")
         worker = EngineWorker(engine, wd / "policy", mode=mode, seed=seed, log=wd / "worker.log")
         try:
-            version = worker.hello["version"]
-            prof_name = profile or default_profile_name(engine, version, mode)
-            prof = get_profile(prof_name)
-            setups = {"as-is": None, "profile": (prof, False)}
-            if prof.available("attention"):
-                setups["exact"] = (prof, True)
-            elif train_with == "exact":
-                raise EngineProfilesError(f"{prof_name} has no measured attention: exact mode is unavailable; "
-                                          "pass --train-with profile")
-            # vLLM's CPU attention splits long decode contexts across its threads, planned for each step's
-            # whole batch: exact mode splits them as it did, scoring each rollout batch as sampled together
-            att = worker.hello.get("attention") or {}
-            kv_split = engine_kv_split(dict(name=engine, attention=att), prof) if "exact" in setups else None
-            if kv_split is not None:
-                note(f"exact mode splits attention as the engine does: split-KV on, {kv_split.threads} threads")
-            res = DemoResult(engine=dict(name=engine, version=version, mode=mode, attention=att), profile=prof_name,
-                             train_with=train_with, family=family, cpu_capability=torch.backends.cpu.get_cpu_capability())
-            # A demo measures: on a machine the profile does not describe, exact mode runs its point anyway
-            # (allow_other_machine) and the result says why its bits are not claimed here.
-            res.other_machine = machine_differences(dict(attention=att, machine=record()), prof) \
-                if "exact" in setups else []
-            if res.other_machine:
-                note("exact mode on a machine the profile does not describe (measured, not claimed): "
-                     + "; ".join(res.other_machine))
+            res, setups, kv_split = _demo_setups(worker, engine, mode, profile, train_with, family, note)
             opt = torch.optim.Adam(model.parameters(), lr=lr)
             g = torch.Generator().manual_seed(seed)
             for step in range(steps):
@@ -179,30 +148,8 @@ def run_demo(engine: str = "vllm", *, family: str = "qwen2", steps: int = 8, pro
                 rec = StepRecord(step, float(reward.mean()))
                 model.eval()
                 for name, setup in setups.items():
-                    split = kv_split if setup and setup[1] else None
-                    handle = apply_profile(model, setup[0], exact=setup[1], kv_split=split,
-                                           allow_other_machine=bool(res.other_machine) and setup[1]) if setup else None
-                    try:
-                        train_now = name == train_with
-                        # the rows are the engine's batch, in the order it was given them (prompt-major)
-                        sampled = (as_sampled([prompt_len] * len(ids), [comp.shape[1]] * len(ids)) if split
-                                   else contextlib.nullcontext())
-                        with torch.set_grad_enabled(train_now), sampled:
-                            lp = completion_logprobs(model, ids, prompt_len)
-                        m = rollout_corr(lp_engine, lp.detach())
-                        rec.setups[name] = {k.split("/")[-1]: v for k, v in m.items()
-                                            if k.split("/")[-1] in ("k3_kl", "exact_match", "abs_dlogp_max",
-                                                                    "ppl_ratio", "chi2_token")}
-                        rec.setups[name].update(ratio_spread(lp_engine, lp.detach()))
-                        if train_now:
-                            grouped = reward.view(prompts, group)
-                            adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
-                            loss = -(adv[:, None] * lp).mean()
-                            opt.zero_grad()
-                            loss.backward()
-                    finally:
-                        if handle is not None:
-                            handle.remove()
+                    rec.setups[name] = _demo_score(model, setup, name == train_with, ids, comp, prompt_len, lp_engine,
+                                                   reward.view(prompts, group), kv_split, bool(res.other_machine), opt)
                 opt.step()
                 res.steps.append(rec)
                 note(f"step {step + 1}/{steps}: reward {rec.reward:.3f}; k3 KL "
@@ -213,6 +160,72 @@ def run_demo(engine: str = "vllm", *, family: str = "qwen2", steps: int = 8, pro
         finally:
             worker.close()
     return res
+
+
+def _demo_setups(worker: EngineWorker, engine: str, mode: str, profile: str | None, train_with: str, family: str,
+                 note: Callable[[str], None]) -> tuple[DemoResult, dict[str, Any], Any]:
+    """The demo's result so far, its setups (name: None for as-is, else (profile, exact)) and exact mode's
+    split-KV plan, for the engine the worker runs."""
+    from engineprofiles.machine import record
+    from engineprofiles.store import get_profile
+
+    from .mismatch import default_profile_name, engine_kv_split, machine_differences
+
+    version = worker.hello["version"]
+    prof_name = profile or default_profile_name(engine, version, mode)
+    prof = get_profile(prof_name)
+    setups: dict[str, Any] = {"as-is": None, "profile": (prof, False)}
+    if prof.available("attention"):
+        setups["exact"] = (prof, True)
+    elif train_with == "exact":
+        raise EngineProfilesError(f"{prof_name} has no measured attention: exact mode is unavailable; "
+                                  "pass --train-with profile")
+    # vLLM's CPU attention splits long decode contexts across its threads, planned for each step's
+    # whole batch: exact mode splits them as it did, scoring each rollout batch as sampled together
+    att = worker.hello.get("attention") or {}
+    kv_split = engine_kv_split(dict(name=engine, attention=att), prof) if "exact" in setups else None
+    if kv_split is not None:
+        note(f"exact mode splits attention as the engine does: split-KV on, {kv_split.threads} threads")
+    res = DemoResult(engine=dict(name=engine, version=version, mode=mode, attention=att), profile=prof_name,
+                     train_with=train_with, family=family, cpu_capability=torch.backends.cpu.get_cpu_capability())
+    # A demo measures: on a machine the profile does not describe, exact mode runs its point anyway
+    # (allow_other_machine) and the result says why its bits are not claimed here.
+    res.other_machine = machine_differences(dict(attention=att, machine=record()), prof) if "exact" in setups else []
+    if res.other_machine:
+        note("exact mode on a machine the profile does not describe (measured, not claimed): "
+             + "; ".join(res.other_machine))
+    return res, setups, kv_split
+
+
+def _demo_score(model, setup, train_now: bool, ids, comp, prompt_len: int, lp_engine, grouped, kv_split,
+                other_machine: bool, opt) -> dict[str, float]:
+    """One setup's scores of a step's rollouts against the engine's log-probs (``grouped``: the rewards,
+    prompt by group); the setup that trains takes its policy-gradient step's gradients here."""
+    from emulator import as_sampled
+    from emulator.patching import apply_profile
+    from engineprofiles.metrics import rollout_corr
+
+    split = kv_split if setup and setup[1] else None
+    handle = apply_profile(model, setup[0], exact=setup[1], kv_split=split,
+                           allow_other_machine=other_machine and setup[1]) if setup else None
+    try:
+        # the rows are the engine's batch, in the order it was given them (prompt-major)
+        sampled = as_sampled([prompt_len] * len(ids), [comp.shape[1]] * len(ids)) if split else contextlib.nullcontext()
+        with torch.set_grad_enabled(train_now), sampled:
+            lp = completion_logprobs(model, ids, prompt_len)
+        m = rollout_corr(lp_engine, lp.detach())
+        scores = {k.split("/")[-1]: v for k, v in m.items()
+                  if k.split("/")[-1] in ("k3_kl", "exact_match", "abs_dlogp_max", "ppl_ratio", "chi2_token")}
+        scores.update(ratio_spread(lp_engine, lp.detach()))
+        if train_now:
+            adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
+            loss = -(adv[:, None] * lp).mean()
+            opt.zero_grad()
+            loss.backward()
+    finally:
+        if handle is not None:
+            handle.remove()
+    return scores
 
 
 def plot(result: dict[str, Any], path: str) -> None:

@@ -92,3 +92,30 @@ def test_the_layer_check_sees_relative_lazy_and_importlib_imports(tmp_path, monk
 @pytest.mark.parametrize("package", LAYERS)
 def test_each_layer_has_modules(package):
     assert _modules(package), f"{package}/ has no modules: the layer check would pass vacuously"
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(root: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``file:line name (n lines)`` of every function (nested ones included) longer than ``limit``."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+@pytest.mark.parametrize("package", ["engineprofiles", "emulator", "engineloop"])
+def test_no_function_is_longer_than_80_lines(package):
+    assert long_functions(ROOT / package) == []
+
+
+def test_the_length_check_sees_a_long_function(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "m.py").write_text("def f():\n" + "    x = 1\n" * 80 + "\n\ndef g():\n    pass\n")
+    assert long_functions(pkg) == ["pkg/m.py:1 f (81 lines)"]
