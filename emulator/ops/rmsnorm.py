@@ -30,6 +30,7 @@ import triton.language as tl
 from engineprofiles import portable
 from engineprofiles.regions import ROUNDED, Point, add_rmsnorm_ref, rmsnorm_ref
 from engineprofiles.regions.rmsnorm import _normalize
+from engineprofiles.rounding import act_dtype, round_to
 
 from . import _backend, tl_portable, tl_rounding
 from ._utils import (
@@ -363,6 +364,57 @@ def add_rmsnorm_traced(x, residual, weight, eps: float, point: Point, *, math: s
 _TRACED = {"rmsnorm_ref": rmsnorm_traced, "add_rmsnorm_ref": add_rmsnorm_traced}
 
 
+# The references with their FP32/rounded sites as a bool tensor (``flags``) instead of constants, for
+# torch.compile: one graph serves every point that shares the constants left (rstd, and the sites that
+# change an output's dtype), where the references compile once per point (an in-situ fit tries dozens:
+# most of its time was Dynamo and Inductor compiling). Each site is ``torch.where(flag, rounded, fp32)``,
+# which selects exactly; Inductor sums the squares in the same order either way, so the bits equal the
+# reference compiled at that point (tests/emulator/test_compile.py checks points and widths drawn at random).
+def _rmsnorm_flagged(x, weight, eps: float, flags, rstd: str, output: str, dtype):
+    xf = x.float()
+    n = _normalize(xf, xf, eps, rstd, "torch")
+    n = torch.where(flags[0], round_to(n, dtype), n)  # site: normalized
+    y = n * weight.float()
+    return round_to(y, dtype).to(dtype) if output == ROUNDED else y  # site: output
+
+
+def _add_rmsnorm_flagged(x, residual, weight, eps: float, flags, rstd: str, residual_out: str, dtype):
+    s = x.float() + residual.float()
+    s_r = round_to(s, dtype)
+    v = torch.where(flags[0], s_r, s)  # site: variance_input
+    u = torch.where(flags[1], s_r, s)  # site: normalize_input
+    n = _normalize(u, v, eps, rstd, "torch")
+    n = torch.where(flags[2], round_to(n, dtype), n)  # site: normalized
+    out = round_to(n * weight.float(), dtype).to(dtype)
+    return out, (s_r.to(dtype) if residual_out == ROUNDED else s)  # site: residual_out
+
+
+def _flags(point: Point, sites: tuple[str, ...], device) -> torch.Tensor:
+    return torch.tensor([point[s] == ROUNDED for s in sites], dtype=torch.bool, device=device)
+
+
+def _rmsnorm_compiled(fn):
+    def run(x, weight, eps, point, *, math="torch", dtype=None):
+        dt = act_dtype(dtype if dtype is not None else x.dtype)
+        return fn(x, weight, eps, _flags(point, ("normalized",), x.device), point["rstd"], point["output"], dt)
+
+    return run
+
+
+def _add_rmsnorm_compiled(fn):
+    def run(x, residual, weight, eps, point, *, math="torch", dtype=None):
+        dt = act_dtype(dtype if dtype is not None else x.dtype)
+        flags = _flags(point, ("variance_input", "normalize_input", "normalized"), x.device)
+        return fn(x, residual, weight, eps, flags, point["rstd"], point["residual_out"], dt)
+
+    return run
+
+
+# reference name: (its flagged form, the call that turns a point into flags and constants)
+_FLAGGED = {"rmsnorm_ref": (_rmsnorm_flagged, _rmsnorm_compiled),
+            "add_rmsnorm_ref": (_add_rmsnorm_flagged, _add_rmsnorm_compiled)}
+
+
 def _ref(fn, backend: str):
     """The reference ``fn``, or for backend ``reference-inductor`` the same reference compiled by
     torch.compile (Inductor, dynamic shapes): its FP32 reductions (the mean of squares) then run in
@@ -375,13 +427,14 @@ def _ref(fn, backend: str):
     if torch.compiler.is_compiling():
         return _TRACED[fn.__name__]
     if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True, fullgraph=True)
+        flagged, call = _FLAGGED[fn.__name__]
+        _COMPILED[fn.__name__] = call(torch.compile(flagged, dynamic=True, fullgraph=True))
     compiled = _COMPILED[fn.__name__]
 
     def run(*args, **kwargs):
         from torch._dynamo import config as dynamo_config
 
-        # one graph per (point, eps, dtypes): more than Dynamo's default of 8 (an in-situ fit tries dozens)
+        # one graph per (rstd, dtype-changing sites, eps, dtypes): more than Dynamo's default of 8
         with dynamo_config.patch(cache_size_limit=1024, accumulated_cache_size_limit=4096):
             return compiled(*args, **kwargs)
 

@@ -392,3 +392,42 @@ def test_fsdp2_sharded_patched_model_compiled_gives_the_unsharded_eager_bits(tmp
         assert_same_bits(got[order]["logits"], o.logits.detach(), f"FSDP2 compiled ({order}): logits")
         for n, p in model.named_parameters():
             assert_same_bits(got[order]["grads"][n], p.grad, f"FSDP2 compiled ({order}): grad of {n}")
+
+
+@pytest.mark.parametrize("region", ["add_rmsnorm", "rmsnorm"])
+def test_the_norms_compiled_with_their_sites_as_flags_are_the_reference_compiled_at_each_point(region):
+    """The reference-inductor backend compiles each norm once for all its FP32/rounded sites (a bool
+    tensor, ``torch.where``), not once per point: its bits must be the reference compiled at that point
+    (Inductor's order of the squares' sum). Points, widths, token counts and the residual's dtype drawn
+    at random (seeded); the control: a flag flipped against the point differs."""
+    import random
+
+    from torch._dynamo import config as dynamo_config
+
+    from emulator.ops import rmsnorm as ops
+    from engineprofiles.regions import REGIONS, add_rmsnorm_ref, rmsnorm_ref
+
+    rng = random.Random(17)
+    ref = add_rmsnorm_ref if region == "add_rmsnorm" else rmsnorm_ref
+    per_point = torch.compile(ref, dynamic=True, fullgraph=True)
+    flagged = ops._ref(ref, "reference-inductor")
+    points = rng.sample(list(REGIONS[region].all_points()), 6)
+    g = torch.Generator().manual_seed(3)
+    differed = 0
+    with dynamo_config.patch(cache_size_limit=1024, accumulated_cache_size_limit=4096):
+        for p in points:
+            m, n = rng.choice([1, 3, 17, 41, 130]), rng.choice([64, 128, 328, 896, 1000])
+            x = (torch.randn(m, n, generator=g) * 3).bfloat16()
+            w = (1 + 0.1 * torch.randn(n, generator=g)).bfloat16()
+            args = (x, w) if region == "rmsnorm" else (
+                x, (torch.randn(m, n, generator=g) * 5).to(rng.choice([torch.bfloat16, torch.float32])), w)
+            want = per_point(*args, 1e-6, p, math="torch", dtype=torch.bfloat16)
+            got = flagged(*args, 1e-6, p, math="torch", dtype=torch.bfloat16)
+            for i, (a, b) in enumerate(zip(*((got, want) if region == "add_rmsnorm" else ((got,), (want,))))):
+                assert_same_bits(a, b, f"{p.label()} [{m}, {n}] output {i}")
+            site = "normalized"
+            other = p.replace(**{site: "fp32" if p[site] == "rounded" else "rounded"})
+            moved = flagged(*args, 1e-6, other, math="torch", dtype=torch.bfloat16)
+            a, b = (moved[0], want[0]) if region == "add_rmsnorm" else (moved, want)
+            differed += not torch.equal(a.float(), b.float())
+    assert differed >= len(points) - 1  # the flags are read (a point's rounding site moves the bits)
