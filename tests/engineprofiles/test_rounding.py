@@ -112,3 +112,21 @@ def test_ulp_distance_counts_steps_across_zero_and_binades(dtype):
     assert ulp_distance(-smallest, smallest).item() == 2
     assert ulp_distance(a[4:5], a[4:5]).item() == 0
     assert ulp_distance(a[4:5], a[:1]).item() > 1 << 30
+
+
+def test_the_fast_bf16_rounding_is_the_integer_rounding_bit_for_bit():
+    """round_to's BF16 path on CPU (torch's conversion) against round_bits (integer RNE on the pattern):
+    every FP32 sign/exponent/high-mantissa half with low halves at and around the ties, and 2**22 random
+    patterns; NaN kept as it came. The control: truncation (no rounding) differs."""
+    from engineprofiles.rounding import round_bits
+
+    lows = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x4000, 0xC000, 0x1234], dtype=torch.int64)
+    highs = torch.arange(0, 1 << 16, dtype=torch.int64)
+    pats = ((highs[:, None] << 16) | lows[None, :]).flatten()
+    g = torch.Generator().manual_seed(5)
+    pats = torch.cat([pats, torch.randint(0, 1 << 32, (1 << 22,), generator=g, dtype=torch.int64)])
+    x = torch.where(pats >= 1 << 31, pats - (1 << 32), pats).to(torch.int32).view(torch.float32)
+    fast, ref = round_to(x, torch.bfloat16), round_bits(x, torch.bfloat16)
+    assert torch.equal(fast.view(torch.int32), ref.view(torch.int32))
+    truncated = (x.view(torch.int32) & -65536).view(torch.float32)
+    assert not torch.equal(truncated.view(torch.int32), ref.view(torch.int32))
