@@ -716,11 +716,7 @@ def _probe(engine: str, device: str, dtype: str, mode: str, output: Optional[str
         timings = {"load": round(load_s, 2), **{n: round(r.seconds, 2) for n, r in results.items()},
                    "total": round(time.perf_counter() - t0, 2)}
         err.print("timings (s): " + ", ".join(f"{k} {v}" for k, v in timings.items()), highlight=False)
-        if os.environ.get("ENGINEPROFILES_TIMINGS"):
-            import json
-
-            with open(os.environ["ENGINEPROFILES_TIMINGS"], "w") as f:
-                json.dump(timings, f)
+        _write_timings(timings)
     except EngineProfilesError as e:
         _fail(e)
     _emit(profile, output, target, is_dir, print_yaml)
@@ -752,6 +748,15 @@ def _emit(profile, output: Optional[str], target: Optional[Path], is_dir: bool, 
 
 # Set when an op-level probe has written everything; read by _main_exit_fast.
 _probe_done = False
+
+
+def _write_timings(timings: dict[str, float]) -> None:
+    """The phases' seconds, to the JSON file $ENGINEPROFILES_TIMINGS names (scripts/bench_probe.py)."""
+    if os.environ.get("ENGINEPROFILES_TIMINGS"):
+        import json
+
+        with open(os.environ["ENGINEPROFILES_TIMINGS"], "w") as f:
+            json.dump({k: round(v, 2) for k, v in timings.items()}, f)
 
 
 def _patched_adapter(family: Optional[str], profile: str, dt, device: str):
@@ -804,12 +809,15 @@ def _in_situ(engine: str, families: list[str], output: Optional[str], seed: int,
         target, is_dir = runner.output_path(output, ship, [("a --capture file", c) for c in captures])
         pairs = in_situ_pairs(engine, families, captures, seed=seed, prompts=prompts, mode=mode, env=env,
                               rope_scaling=rope_scaling, note=note)
+        marks = {"capture": time.perf_counter() - t0}
         start = in_situ_start(engine, pairs[0][2])
         start_name = start.canonical_name
         n = sum(len(c["sequences"]) for _, _, c in pairs)
         note(f"fitting in situ from {start_name} ({n} sequences of {', '.join(families)})")
         fit = fit_profiles(pairs, start, note=note)
+        marks["fit regions"] = time.perf_counter() - t0
         att_fit = fit_attention_in_situ([c for _, _, c in pairs], start, note=note)
+        marks["fit attention"] = time.perf_counter() - t0
         import shlex
 
         cmd = os.environ.get("ENGINEPROFILES_COMMAND") or shlex.join(["probe-engine", *sys.argv[1:]])
@@ -821,6 +829,9 @@ def _in_situ(engine: str, families: list[str], output: Optional[str], seed: int,
                                      mode="eager" if mode == "eager" else "default", note=note)
         elif self_check:
             note("self-check not run: the captures were given (--capture), the engine did not run here")
+        marks["self-check"] = time.perf_counter() - t0
+        ends = list(marks.values())  # each phase's end, from the start
+        _write_timings({k: end - begin for k, end, begin in zip(marks, ends, [0.0, *ends])} | {"total": ends[-1]})
     except EngineProfilesError as e:
         _fail(e)
     _emit(profile, output, target, is_dir, print_yaml, extra=tables.in_situ_table(fit),

@@ -1,6 +1,11 @@
 """Time a full probe of one engine: from a cold compile cache, then warm.
 
-    .venv/bin/python scripts/bench_probe.py [vllm|sglang|transformers] [--env VERSION] [--runs N]
+    .venv/bin/python scripts/bench_probe.py [vllm|sglang|transformers] [--env VERSION] [--runs N] [--in-situ]
+
+--in-situ times the README's main job instead (`scripts/probe.sh vllm`: the engine on a tiny model, the
+in-situ fit, the self-check), phase by phase: capture (the engine's run), fit regions, fit attention,
+self-check (a second engine run and exact mode on other widths). Cold and warm then also mean vLLM's own
+compile cache (VLLM_CACHE_ROOT), one fresh folder per round like Inductor's.
 
 Each round runs the whole command `probe-engine ENGINE -o FILE` (op-level for vLLM and SGLang: the
 per-region probe, three regions plus plain RMSNorm, attention and the MoE experts, the whole shape
@@ -32,11 +37,12 @@ REPO = Path(__file__).resolve().parents[1]
 BOUND = {"cold": 90.0, "warm": 30.0}
 
 
-def run(engine: str, env: str | None, cache: str, work: str, tag: str) -> dict[str, float]:
+def run(engine: str, env: str | None, cache: str, work: str, tag: str, in_situ: bool = False) -> dict[str, float]:
     timings = os.path.join(work, f"{tag}.json")
-    e = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, ENGINEPROFILES_TIMINGS=timings)
+    e = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, ENGINEPROFILES_TIMINGS=timings,
+             VLLM_CACHE_ROOT=cache + "-vllm")
     cmd = [str(REPO / ".venv" / "bin" / "probe-engine"), engine, "-o", os.path.join(work, f"{tag}.yaml")]
-    if engine in ("vllm", "sglang"):
+    if engine in ("vllm", "sglang") and not in_situ:
         cmd.append("--op-level")  # the per-region probe; in situ (their default) starts a whole engine
     if env:
         cmd += ["--env", env]
@@ -55,17 +61,22 @@ def main() -> None:
     ap.add_argument("engine", nargs="?", default="vllm", choices=["vllm", "sglang", "transformers"])
     ap.add_argument("--env", default=None, help="engine environment (version or path), as probe-engine --env")
     ap.add_argument("--runs", type=int, default=1, help="cold+warm rounds, each with a fresh cache (default 1)")
+    ap.add_argument("--in-situ", action="store_true", help="time the in-situ probe (vllm, sglang: the main job)")
     a = ap.parse_args()
     if a.runs < 1:
         ap.error("--runs must be at least 1")
+    if a.in_situ and a.engine == "transformers":
+        ap.error("--in-situ: the in-situ fit runs vllm or sglang")
     rounds: list[tuple[dict, dict]] = []
     with tempfile.TemporaryDirectory() as d:
         for i in range(a.runs):
             cache = os.path.join(d, f"inductor{i}")
             print(f"round {i + 1}/{a.runs}", file=sys.stderr, flush=True)
-            rounds.append((run(a.engine, a.env, cache, d, f"cold{i}"), run(a.engine, a.env, cache, d, f"warm{i}")))
+            rounds.append((run(a.engine, a.env, cache, d, f"cold{i}", a.in_situ),
+                           run(a.engine, a.env, cache, d, f"warm{i}", a.in_situ)))
 
-    print(f"probe-engine {a.engine}{' --op-level' if a.engine in ('vllm', 'sglang') else ''}: seconds "
+    how = " (in situ)" if a.in_situ else " --op-level" if a.engine in ("vllm", "sglang") else ""
+    print(f"probe-engine {a.engine}{how}: seconds "
           f"({os.cpu_count()} cores; wall = the whole command, process start to exit)")
     cols = [f"cold {i + 1}" for i in range(a.runs)] + [f"warm {i + 1}" for i in range(a.runs)]
     if a.runs > 1:

@@ -1,6 +1,8 @@
 """In-situ fit and mismatch report, with a trainer-side stand-in for the engine (the real engine
 runs in tests/engines)."""
 
+import json
+
 import pytest
 import torch
 
@@ -282,9 +284,13 @@ def test_an_in_situ_probe_prints_a_summary_that_fits_an_80_column_terminal_in_60
     torch.save(dict(cap, family="qwen2", rope_scaling=None, engine=engine), f)
     out = tmp_path / "out"
     out.mkdir()
+    timings = tmp_path / "timings.json"
     r = CliRunner().invoke(app, ["vllm", "--in-situ", "--family", "qwen2", "--capture", str(f), "-o", str(out)],
-                            env={"COLUMNS": "80"})
+                            env={"COLUMNS": "80", "ENGINEPROFILES_TIMINGS": str(timings)})
     assert r.exit_code == 0, r.output
+    phases = json.loads(timings.read_text())  # scripts/bench_probe.py --in-situ reads them
+    assert list(phases) == ["capture", "fit regions", "fit attention", "self-check", "total"], phases
+    assert abs(sum(v for k, v in phases.items() if k != "total") - phases["total"]) < 0.1, phases
     lines = r.output.splitlines()
     written = next(out.glob("*.yaml"))
     assert len(lines) <= 60, "\n".join(lines)
