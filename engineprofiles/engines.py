@@ -143,6 +143,6 @@ register(Engine(
     modes=("default",), execution_modes={"eager": "eager"}, default_mode="eager", mode_help="default (eager modules)",
     module="transformers", distributions=("transformers",),
     adapter="engineprofiles.probe.adapters.transformers:TransformersAdapter",
-    install_hint="pip install 'engineprofiles[insitu]' (or pip install transformers)",
+    install_hint="pip install 'transformers>=5.17' (the engineprofiles[insitu] extra)",
     rope=RopeConventions(linear_scales="frequency", dynamic="transformers"),
 ))

@@ -45,7 +45,7 @@ class MetricsInputError(EngineProfilesError, ValueError):
 
 class MissingDependency(EngineProfilesError, ImportError):
     """An optional dependency is not installed. The message names it and the extra that installs
-    it (``pip install 'engineprofiles[EXTRA]'``)."""
+    it (engineprofiles.extras.install_hint: the packages, and the extra from a checkout)."""
 
 
 class UnknownEngine(ProfileNotFound):

@@ -25,6 +25,22 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "insitu": ("transformers", "triton"),
     "plot": ("matplotlib",),
 }
+# module -> the requirement that installs it, as pyproject.toml's extras write it (the same test checks)
+REQUIREMENTS: dict[str, str] = {"triton": "triton>=3.2", "transformers": "transformers>=5.17",
+                                "matplotlib": "matplotlib>=3.8"}
+
+
+def install_hint(extra: str, modules: list[str] | None = None) -> str:
+    """A pip command that installs ``modules`` (default: the extra's): the packages themselves (the
+    project is not on a package index), and the extra from this checkout where the package runs from one."""
+    from pathlib import Path
+
+    reqs = " ".join(f"'{REQUIREMENTS.get(m, m)}'" for m in (modules or EXTRAS[extra]))
+    root = Path(__file__).resolve().parents[1]
+    checkout = (root / "pyproject.toml").is_file()
+    named = f"{DISTRIBUTION}[{extra}]"
+    return f"pip install {reqs}" + (f" (the {named} extra: pip install -e '{root}[{extra}]')" if checkout else
+                                     f" (the {named} extra)")
 
 
 def missing(extra: str) -> list[str]:
@@ -38,6 +54,6 @@ def require(extra: str, what: str) -> None:
     if gone:
         raise MissingDependency(
             f"{what} needs {' and '.join(gone)}, which {'is' if len(gone) == 1 else 'are'} not installed in "
-            f"{sys.executable}: pip install '{DISTRIBUTION}[{extra}]'",
+            f"{sys.executable}: {install_hint(extra, gone)}",
             name=gone[0],
         )

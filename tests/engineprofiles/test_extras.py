@@ -25,6 +25,8 @@ def test_the_extras_agree_with_pyproject():
     for extra, modules in extras.EXTRAS.items():
         assert extra in declared, f"pyproject.toml has no extra {extra!r}"
         assert sorted(MODULE_OF[_name(r)] for r in declared[extra]) == sorted(modules), extra
+        for r in declared[extra]:  # the hint installs what pyproject.toml asks for
+            assert extras.REQUIREMENTS[MODULE_OF[_name(r)]] == r, (extra, r)
     assert set(declared) - set(extras.EXTRAS) == {"test"}, "an extra the messages do not know"
 
 
@@ -36,7 +38,22 @@ def test_a_missing_module_names_the_extra(monkeypatch):
     assert e.value.name == "no_such_module_engineprofiles_test"
     msg = str(e.value)
     assert "the thing needs no_such_module_engineprofiles_test, which is not installed in" in msg
-    assert "pip install 'engineprofiles[insitu]'" in msg and sys.executable in msg
+    assert sys.executable in msg
+    # an install that works: the missing packages themselves (the project is on no package index), and
+    # the extra from this checkout
+    assert f"pip install -e '{PYPROJECT.parent}[insitu]'" in msg and "pip install 'engineprofiles[" not in msg
+
+
+def test_the_hint_installs_the_missing_packages_with_the_floors_pyproject_asks():
+    assert extras.install_hint("insitu", ["triton"]).startswith("pip install 'triton>=3.2' ")
+    assert extras.install_hint("insitu").startswith("pip install 'transformers>=5.17' 'triton>=3.2' ")
+
+
+def test_the_torch_floor_is_one_the_extras_triton_runs_with():
+    """triton 3.2 is the Triton of torch 2.6: a base torch below it cannot take the emulator's Triton."""
+    deps = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    torch_req = next(d for d in deps if _name(d) == "torch")
+    assert torch_req == "torch>=2.6", torch_req
 
 
 def test_nothing_is_raised_when_the_extra_is_installed():
