@@ -486,7 +486,8 @@ def _check_mask(mask: object, q: torch.Tensor, k: torch.Tensor) -> None:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, profile: ProfileLike, *, scale: float | None = None,
-              attention_mask: torch.Tensor | None = None, kv_split: KVSplit | None = None) -> torch.Tensor:
+              attention_mask: torch.Tensor | None = None, kv_split: KVSplit | None = None,
+              kernels: str = "") -> torch.Tensor:
     """Attention exactly as the profile's engine computes it (exact mode).
 
     q: [B, Hq, Tq, D], k and v: [B, Hk, Tk, D] in the activation dtype (Hk divides Hq);
@@ -496,7 +497,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, profile: Profil
     Every backend runs the bit-portable torch reference (no kernel). ``kv_split``
     (:class:`engineprofiles.regions.attention.KVSplit`): the engine splits long rows' keys across
     threads (vLLM's CPU attention with ``VLLM_CPU_ATTN_SPLIT_KV=1``); each batch row is computed as
-    that engine computes one request alone, queries and keys as given (a decode step: one query)."""
+    that engine computes one request alone, queries and keys as given (a decode step: one query).
+    ``kernels``: an engine whose own attention kernel computes the rows (loaded into
+    ``ops.attention.ENGINE_KERNELS`` by ``apply_profile(..., kernels=)``); "" the portable reference."""
     if kv_split is not None and not isinstance(kv_split, KVSplit):
         raise InputError(f"attention: kv_split must be a KVSplit or None, got {type(kv_split).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -527,6 +530,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, profile: Profil
         raise InputError(f"attention: scale must be a number (or None for D**-0.5), got {type(scale).__name__}") from None
     with _fp32_math(q.device):
         if torch.compiler.is_compiling():
-            return attention_op(q, k, v, point_key(point), s, attention_mask, kv_split_key(kv_split))
-        return ExactAttentionFunction.apply(q, k, v, point, s, attention_mask, kv_split)
+            return attention_op(q, k, v, point_key(point), s, attention_mask, kv_split_key(kv_split), kernels)
+        return ExactAttentionFunction.apply(q, k, v, point, s, attention_mask, kv_split, kernels)
 

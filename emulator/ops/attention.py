@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 
 from engineprofiles.regions import Point, attention_fp32, attention_ref
-from engineprofiles.regions.attention import KVSplit, SampledBatch
+from engineprofiles.regions.attention import KVSplit, SampledBatch, causal_mask
 
 from ..errors import InputError
 from ._utils import autograd_in_op, owned, point_from_key
@@ -140,10 +140,54 @@ def _check_sampled_row(n: int, prompt_len: int | None, together: tuple[SampledBa
                              "the row is the request's prompt and the tokens the engine sampled for it")
 
 
+# -- exact mode through the engine's own attention kernel (apply_profile(..., kernels="engine")) ---------
+# engine name -> its kernel on one request (engineprofiles.engines: the record's exact_attention), loaded by
+# apply_profile when the engine is importable in this process and picks the kernel the profile recorded
+ENGINE_KERNELS: dict[str, object] = {}
+
+
+def _engine_row(fn, qe: torch.Tensor, ke: torch.Tensor, ve: torch.Tensor, scale: float, sub: torch.Tensor | None,
+                kv_split: KVSplit | None, prompt_len: int | None) -> torch.Tensor | None:
+    """One batch row (engine layout [T, H, D], padding keys dropped; ``sub``: the row's [Tq, Tk] mask over
+    them) through the engine's kernel, as the engine computed it: one call, or with ``kv_split`` and
+    ``prompt_len`` the prompt in one call and each later query as a decode step over the keys before it,
+    split as the engine's scheduler splits with ``kv_split.threads`` threads. None where the row's mask is
+    not causal over its keys for the queries that see any (the portable reference takes those)."""
+    tq, tk = qe.shape[0], ke.shape[0]
+    real = torch.ones(tq, dtype=torch.bool) if sub is None else sub.any(-1).cpu()
+    n = int(real.sum())
+    if sub is not None and (n == 0 or not torch.equal(sub[real].cpu(), causal_mask(n, tk))):
+        return None
+    q_real = qe[real]
+    threads = torch.get_num_threads()
+    if kv_split is not None:
+        torch.set_num_threads(kv_split.threads)  # the engine's: its scheduler splits by the thread count
+    try:
+        split = kv_split is not None
+        if prompt_len is None or not split:
+            o = fn(q_real, ke, ve, scale=scale, split_kv=split)
+        else:
+            first = tk - n  # the position of the first real query
+            parts = []
+            if first < prompt_len:  # queries of the prompt: the engine's prefill of it
+                parts.append(fn(q_real[:prompt_len - first], ke[:prompt_len], ve[:prompt_len], scale=scale,
+                                split_kv=True))
+            for j in range(max(first, prompt_len), tk):  # decode steps, one query over the keys before it
+                parts.append(fn(q_real[j - first:j - first + 1], ke[:j + 1], ve[:j + 1], scale=scale, split_kv=True))
+            o = torch.cat(parts)
+    finally:
+        torch.set_num_threads(threads)
+    out = qe.new_zeros(qe.shape)
+    out[real] = o.to(out.device)
+    return out
+
+
 def _one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, scale: float,
              allowed: torch.Tensor | None, kv_split: KVSplit | None = None,
-             prompt_len: int | None = None, together: tuple[SampledBatch, int] | None = None) -> torch.Tensor:
-    """q [Hq, Tq, D], k/v [Hk, Tk, D] of one batch row -> [Hq, Tq, D]."""
+             prompt_len: int | None = None, together: tuple[SampledBatch, int] | None = None,
+             kernels: str = "") -> torch.Tensor:
+    """q [Hq, Tq, D], k/v [Hk, Tk, D] of one batch row -> [Hq, Tq, D]. ``kernels``: the engine whose kernel
+    computes it (:data:`ENGINE_KERNELS`; rows sampled together in a batch take the portable reference)."""
     qe, ke, ve = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # engine layout [T, H, D]
     if allowed is not None and not bool(allowed.any()):  # a row of padding only: no key to attend, zeros
         return q.new_zeros(q.shape)
@@ -154,6 +198,12 @@ def _one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, sc
     _check_sampled_row(k.shape[1] if idx is None else len(idx), prompt_len, together)
     if kv_split is None:
         prompt_len, together = None, None
+    if kernels and together is None:
+        sub = None if allowed is None else (allowed if idx is None else allowed[:, idx])
+        kx, vx = (ke, ve) if idx is None else (ke[idx], ve[idx])
+        out = _engine_row(ENGINE_KERNELS[kernels], qe, kx, vx, scale, sub, kv_split, prompt_len)
+        if out is not None:
+            return out.transpose(0, 1)
     if idx is None:
         return attention_ref(qe, ke, ve, point, scale=scale, kv_split=kv_split, prompt_len=prompt_len,
                              sampled_batch=together).transpose(0, 1)
@@ -179,9 +229,10 @@ def gradient_pass() -> Iterator[None]:
 
 
 def exact_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, scale: float,
-                  mask: torch.Tensor | None, kv_split: KVSplit | None = None) -> torch.Tensor:
+                  mask: torch.Tensor | None, kv_split: KVSplit | None = None, kernels: str = "") -> torch.Tensor:
     """q [B, Hq, Tq, D], k/v [B, Hk, Tk, D] -> [B, Hq, Tq, D] in the activation dtype. ``kv_split``:
-    each batch row is one request alone in the engine, its rows split as :class:`KVSplit` plans."""
+    each batch row is one request alone in the engine, its rows split as :class:`KVSplit` plans.
+    ``kernels``: the engine whose own kernel computes the rows (""; the portable reference)."""
     if q.numel() == 0:  # no batch row, head, query or lane: an empty output, nothing to compute
         return q.new_zeros(q.shape)
     if _GRADIENT_PASS.get():
@@ -189,7 +240,8 @@ def exact_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Poin
     outs = []
     for b in range(q.shape[0]):
         allowed = allowed_from_mask(mask, b, q.shape[2], k.shape[2], q.device)
-        outs.append(_one_row(q[b], k[b], v[b], point, scale, allowed, kv_split, *_prompt_len(b, q.shape[0])))
+        outs.append(_one_row(q[b], k[b], v[b], point, scale, allowed, kv_split, *_prompt_len(b, q.shape[0]),
+                             kernels=kernels))
     return torch.stack(outs)
 
 
@@ -234,16 +286,16 @@ def exact_backward(q, k, v, grad, scale: float, mask, need: tuple[bool, bool, bo
 
 class ExactAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, point, scale, mask, kv_split=None):  # type: ignore[override]
+    def forward(ctx, q, k, v, point, scale, mask, kv_split=None, kernels=""):  # type: ignore[override]
         ctx.save_for_backward(q, k, v)
         ctx.point, ctx.scale, ctx.mask = point, scale, mask
-        return exact_forward(q, k, v, point, scale, mask, kv_split)
+        return exact_forward(q, k, v, point, scale, mask, kv_split, kernels)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v = ctx.saved_tensors
         dq, dk, dv = exact_backward(q, k, v, grad, ctx.scale, ctx.mask, tuple(ctx.needs_input_grad[:3]))
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 # -- torch.compile: the same forward and backward as opaque custom ops (see _utils.point_key) ---
@@ -251,12 +303,13 @@ class ExactAttentionFunction(torch.autograd.Function):
 
 @torch.library.custom_op("emulator::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: str, scale: float,
-                 mask: torch.Tensor | None, kv_split: str = "") -> torch.Tensor:
-    return owned(exact_forward(q, k, v, point_from_key(point), scale, mask, kv_split_from_key(kv_split)), q, k, v, mask)
+                 mask: torch.Tensor | None, kv_split: str = "", kernels: str = "") -> torch.Tensor:
+    return owned(exact_forward(q, k, v, point_from_key(point), scale, mask, kv_split_from_key(kv_split), kernels),
+                 q, k, v, mask)
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, point, scale, mask, kv_split=""):
+def _attention_fake(q, k, v, point, scale, mask, kv_split="", kernels=""):
     return q.new_empty(q.shape)
 
 
@@ -284,7 +337,7 @@ def _attention_op_backward(ctx, grad):
     q, k, v, mask = ctx.saved_tensors
     need = [bool(n) for n in ctx.needs_input_grad[:3]]
     dq, dk, dv = attention_bwd_op(q, k, v, grad, ctx.scale, mask, need)
-    return (*(g if n else None for g, n in zip((dq, dk, dv), need)), None, None, None, None)
+    return (*(g if n else None for g, n in zip((dq, dk, dv), need)), None, None, None, None, None)
 
 
 attention_op.register_autograd(_attention_op_backward, setup_context=_attention_setup)

@@ -433,8 +433,8 @@ def plan_patch(model: torch.nn.Module, profile: Profile | str, *, skip_native: b
     shared_point = _shared_point(prof, decoders)
     _check_patchable(model, decoders)
     exact_point = _check_exact(model, decoders, prof, allow_other_machine) if exact else None
-    record = engines.ENGINES.get(prof.engine.name)
-    if kv_split is not None and (record is None or not record.split_kv or prof.engine.backend != "cpu"):
+    eng = engines.ENGINES.get(prof.engine.name)
+    if kv_split is not None and (eng is None or not eng.split_kv or prof.engine.backend != "cpu"):
         raise ExactModeUnavailable(
             f"kv_split models an engine's split-KV CPU decode (vLLM's attention scheduler); profile "
             f"{prof.canonical_name} is of "

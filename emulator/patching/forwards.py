@@ -123,7 +123,7 @@ def embedding(inline: bool = False):
 
 def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Callable[..., Any], family: str,
               path: str, exact: Any = None, rope: RopeFrequencies | None = None, profile_name: str = "",
-              kv_split: Any = None):
+              kv_split: Any = None, kernels: str = ""):
     """The attention module's forward: RoPE at the profile's point; then HF's attention function, or
     in exact mode (``exact``: the profile's attention point) the engine's attention. ``rope``: the
     frequencies of the patched rotary embedding, to recompute FP32 cos/sin that were cast on the way."""
@@ -175,7 +175,7 @@ def attention(point: Point, act: torch.dtype, qk_norm: bool, eager_attention: Ca
             k, v = past_key_values.update(k, v, self.layer_idx)
         if exact is not None:
             out = F.attention(q, k, v, exact, scale=self.scaling, attention_mask=attention_mask,
-                              kv_split=kv_split).transpose(1, 2)
+                              kv_split=kv_split, kernels=kernels).transpose(1, 2)
             out = out.reshape(*input_shape, -1).contiguous()
             return opaque.linear(self.o_proj, out), None
         if torch.compiler.is_compiling():

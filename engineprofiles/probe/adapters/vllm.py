@@ -421,7 +421,7 @@ class VllmAdapter(Adapter):
         if self.device != "cpu":
             return Unavailable(f"attention is probed op-level on CPU only (device {self.device})")
         try:
-            from vllm import _custom_ops as ops
+            from vllm import _custom_ops  # noqa: F401  (the kernel's ops: cpu_attention)
             from vllm import envs
             from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
         except ImportError as e:  # pragma: no cover - another vLLM layout
@@ -431,26 +431,7 @@ class VllmAdapter(Adapter):
         split_kv = bool(getattr(envs, "VLLM_CPU_ATTN_SPLIT_KV", False))
 
         def attention(q, k, v, *, scale):
-            tq, hq, d = q.shape
-            tk, hk, _ = k.shape
-            isa = _get_attn_isa(dtype, block_size, d)
-            blocks = (tk + block_size - 1) // block_size
-            cache = torch.zeros(blocks, hk, block_size, 2 * d, dtype=dtype)
-            key_cache, value_cache = cache.view(blocks, hk, 2 * block_size, d).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache,
-                                           torch.arange(tk, dtype=torch.int64), isa)
-            qsl = torch.tensor([0, tq], dtype=torch.int32)
-            seq_lens = torch.tensor([tk], dtype=torch.int32)
-            sched = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=1, num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=seq_lens, dtype=dtype,
-                query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=split_kv)
-            out = torch.empty(tq, hq, d, dtype=dtype)
-            ops.cpu_attention_with_kv_cache(
-                query=q.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=qsl,
-                seq_lens=seq_lens, scale=float(scale), causal=True, alibi_slopes=None, sliding_window=-1,
-                block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=0.0, scheduler_metadata=sched,
-                s_aux=None)
-            return out
+            return cpu_attention(q, k, v, scale=scale, split_kv=split_kv, block_size=block_size)
 
         isa = _get_attn_isa(dtype, block_size, 64)
         return RegionImpl(
@@ -461,3 +442,47 @@ class VllmAdapter(Adapter):
              "threads; attention runs eagerly in both of vLLM's modes (the compiled graph calls it as an opaque op)"],
         )
 
+
+# -- vLLM's CPU attention kernel, called as its backend calls it (the op-level probe, and exact mode's
+# engine kernels: engineprofiles.engines names these as the record's exact_attention) -----------------
+
+BLOCK_SIZE = 128  # vLLM's CPU KV cache block size by default
+
+
+def attention_isa(dtype: torch.dtype, head_dim: int, block_size: int = BLOCK_SIZE) -> str:
+    """The ISA vLLM's CPU attention backend picks here for ``dtype`` and ``head_dim`` (vec, amx, ...)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(dtype, block_size, head_dim))
+
+
+def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, split_kv: bool = False,
+                  block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """vLLM's CPU attention kernel (``torch.ops._C.cpu_attention_with_kv_cache``) on one request, as its
+    backend calls it: K/V written into a paged cache by the backend's reshape-and-cache op, the backend's
+    scheduler metadata (``split_kv``: ``VLLM_CPU_ATTN_SPLIT_KV``; the split follows torch's thread count),
+    the ISA it picks. q [Tq, Hq, D] are the last Tq of the Tk positions of k, v [Tk, Hk, D] (causal);
+    returns [Tq, Hq, D] in q's dtype."""
+    from vllm import _custom_ops as ops
+
+    dtype = q.dtype
+    tq, hq, d = q.shape
+    tk, hk, _ = k.shape
+    isa = attention_isa(dtype, d, block_size)
+    blocks = (tk + block_size - 1) // block_size
+    cache = torch.zeros(blocks, hk, block_size, 2 * d, dtype=dtype)
+    key_cache, value_cache = cache.view(blocks, hk, 2 * block_size, d).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache,
+                                   torch.arange(tk, dtype=torch.int64), isa)
+    qsl = torch.tensor([0, tq], dtype=torch.int32)
+    seq_lens = torch.tensor([tk], dtype=torch.int32)
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=seq_lens, dtype=dtype,
+        query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=split_kv)
+    out = torch.empty(tq, hq, d, dtype=dtype)
+    ops.cpu_attention_with_kv_cache(
+        query=q.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=qsl,
+        seq_lens=seq_lens, scale=float(scale), causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=0.0, scheduler_metadata=sched,
+        s_aux=None)
+    return out
