@@ -161,6 +161,18 @@ def test_a_class_patch_passes_its_options_and_raises_a_refusal_where_the_model_i
 # -- the profile recorded in the config ------------------------------------------------------------
 
 
+def test_a_patch_records_nothing_in_the_config_unless_asked():
+    """record=False (the default) leaves the config alone, for every shipped engine's profile (a plan once
+    took the engine's record for the record= option)."""
+    for spec in ("vllm", "sglang", ALL_EMULATED):
+        model = tiny_model("qwen2", seed=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            handle = emulator.apply_profile(model, spec)
+        assert not hasattr(model.config, "emulator_profile"), spec
+        handle.remove()
+
+
 def test_a_recorded_profile_is_saved_with_the_model_and_reapplied_on_load(tmp_path):
     from transformers import AutoModelForCausalLM
 
