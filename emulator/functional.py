@@ -67,7 +67,7 @@ from engineprofiles.store import resolve
 from .errors import InputError, ProfileMismatch, RegionUnavailable
 from .ops._backend import BACKENDS, ENV_VAR, backend_for, current_backend, traced_backend_for, use_backend
 from .ops._utils import point_key
-from .ops.attention import ExactAttentionFunction, attention_op, kv_split_key
+from .ops.attention import ENGINE_KERNELS, ExactAttentionFunction, attention_op, kv_split_key
 from .ops.moe import MoEFunction
 from .ops.shared_expert import SharedExpertFunction
 from .ops.rmsnorm import AddRMSNormFunction, RMSNormFunction, add_rmsnorm_op, rmsnorm_op
@@ -502,6 +502,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, profile: Profil
     ``ops.attention.ENGINE_KERNELS`` by ``apply_profile(..., kernels=)``); "" the portable reference."""
     if kv_split is not None and not isinstance(kv_split, KVSplit):
         raise InputError(f"attention: kv_split must be a KVSplit or None, got {type(kv_split).__name__}")
+    if kernels and kernels not in ENGINE_KERNELS:
+        raise InputError(f"attention: no engine kernel {kernels!r} is loaded (apply_profile(..., exact=True, "
+                         f"kernels='engine') loads the profile's engine's); loaded: {', '.join(ENGINE_KERNELS) or 'none'}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"attention: {name} must be a tensor, got {type(t).__name__}")

@@ -1,8 +1,11 @@
 #!/usr/bin/env python
 """What exact mode costs: forward + backward time of the same model unpatched, with the profile
-(apply_profile), and in exact mode (apply_profile(..., exact=True)), measured side by side in one run.
+(apply_profile), and in exact mode (apply_profile(..., exact=True)) with the portable attention reference
+and with the engine's own attention kernel (kernels="engine", where the profile's engine is importable:
+run it with that engine's environment's python), measured side by side in one run.
 
     .venv/bin/python scripts/bench_exact.py [--profile NAME] [--tokens 256] [--repeats 3] [--layers 2]
+    .engines/vllm-0.32.0/bin/python scripts/bench_exact.py ...     # also exact mode with vLLM's kernel
 
 Qwen2.5-0.5B's widths (hidden 896, MLP 4864, 14 heads, 2 KV heads, head_dim 64), a 256-token
 vocabulary. Runs are interleaved (unpatched, profile, exact, unpatched, ...) after a warm-up, so a
@@ -22,7 +25,8 @@ import warnings
 import torch
 
 from emulator import apply_profile
-from emulator.errors import CapabilityMismatch
+from emulator.errors import CapabilityMismatch, ExactModeUnavailable
+from emulator.patching.apply import plan_patch
 from engineprofiles.models import QWEN25_05B_WIDTHS, tiny_inputs, tiny_model
 from engineprofiles.store import get_profile
 
@@ -54,7 +58,14 @@ def main() -> int:
     model = tiny_model(args.family, num_hidden_layers=args.layers, **QWEN25_05B_WIDTHS)
     model.train()
     ids = tiny_inputs(model, args.tokens)
-    modes = {"unpatched": None, "profile": False, "exact": True}
+    modes = {"unpatched": None, "profile": (False, "auto"), "exact": (True, "portable"), "exact engine": (True, "engine")}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan_patch(model, prof, exact=True, kernels="engine")
+    except ExactModeUnavailable as e:
+        print(f"exact engine: not measured here ({e})", flush=True)
+        del modes["exact engine"]
     times: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
 
     def run(mode: str) -> tuple[float, float]:
@@ -63,7 +74,7 @@ def main() -> int:
             return step(model, ids)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CapabilityMismatch)
-            with apply_profile(model, prof, exact=ex):
+            with apply_profile(model, prof, exact=ex[0], kernels=ex[1]):
                 return step(model, ids)
 
     print(f"{args.family}, Qwen2.5-0.5B widths, {args.layers} layers, {args.tokens} tokens, bf16, CPU "
@@ -75,9 +86,9 @@ def main() -> int:
         for m in modes:
             times[m].append(run(m))
     base = times["unpatched"]
-    print(f"{'trainer':<10} {'fwd+bwd':>9} {'forward':>9} {'backward':>9} {'ratio':>7} {'fwd ratio':>10} {'bwd ratio':>10}")
+    print(f"{'trainer':<12} {'fwd+bwd':>9} {'forward':>9} {'backward':>9} {'ratio':>7} {'fwd ratio':>10} {'bwd ratio':>10}")
     for m, t in times.items():
-        print(f"{m:<10} {med(t):>8.2f}s {med(t, 0):>8.2f}s {med(t, 1):>8.2f}s {med(t) / med(base):>7.2f} "
+        print(f"{m:<12} {med(t):>8.2f}s {med(t, 0):>8.2f}s {med(t, 1):>8.2f}s {med(t) / med(base):>7.2f} "
               f"{med(t, 0) / med(base, 0):>10.2f} {med(t, 1) / med(base, 1):>10.2f}", flush=True)
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -268,7 +269,7 @@ def _model_device(model: torch.nn.Module) -> torch.device | None:
 
 def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native: bool = True,
                   exact: bool = False, record: bool = False, kv_split: KVSplit | int | None = None,
-                  allow_other_machine: bool = False) -> PatchHandle:
+                  allow_other_machine: bool = False, kernels: str = "auto") -> PatchHandle:
     """Patch ``model`` (a HF transformers Qwen2/Qwen2.5, Qwen3, Llama, Mistral, Qwen3-MoE or Qwen2-MoE model, possibly
     wrapped by PEFT or FSDP2) in place so that RoPE, SwiGLU and the residual RMSNorm round where ``profile``
     says; in a Qwen3-MoE model the sparse MoE blocks' experts also compute at the profile's ``moe`` point
@@ -341,9 +342,17 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     step) across the threads as its scheduler does and merging the chunks as its kernel does. The
     split depends on the call's shape: a forward of one query over a KV cache reproduces a decode
     step; a forward of the whole sequence reproduces the engine's prefill of it. None (default): no
-    row is split (``VLLM_CPU_ATTN_SPLIT_KV=0``, or one thread)."""
+    row is split (``VLLM_CPU_ATTN_SPLIT_KV=0``, or one thread).
+
+    ``kernels`` (exact mode's attention): ``"engine"`` runs the profile's engine's own attention kernel
+    where that engine is importable in this process (TRL's colocate mode, verl's hybrid engine) and picks
+    the kernel the profile recorded (its attention ISA, its version), else refuses
+    (:class:`ExactModeUnavailable`, nothing changed); ``"portable"`` the bit-portable reference the probe
+    fits; ``"auto"`` (default) the engine's kernel where it can, else the reference, logging why. The
+    handle's ``kernels`` says which runs. Rows scored as sampled together in a batch (``as_sampled`` with
+    completion lengths) take the reference either way; the backward is the same (FP32 attention's)."""
     plan = plan_patch(model, profile, skip_native=skip_native, exact=exact, record=record, kv_split=kv_split,
-                      allow_other_machine=allow_other_machine)
+                      allow_other_machine=allow_other_machine, kernels=kernels)
     return _apply_plan(model, plan)
 
 
@@ -371,6 +380,7 @@ class PatchPlan:
     shared_point: Point | None = None
     kv_split: KVSplit | None = None
     norm_backend: str | None = None
+    kernels: str = ""  # exact mode's attention: the engine whose kernel runs it ("": the portable reference)
 
 
 def _kv_split_of(kv_split: KVSplit | int | None, exact: bool) -> KVSplit | None:
@@ -415,10 +425,15 @@ def _resolve(model: torch.nn.Module, profile: Profile | str) -> tuple[Profile, l
 
 def plan_patch(model: torch.nn.Module, profile: Profile | str, *, skip_native: bool = True, exact: bool = False,
                record: bool = False, kv_split: KVSplit | int | None = None,
-               allow_other_machine: bool = False) -> PatchPlan:
+               allow_other_machine: bool = False, kernels: str = "auto") -> PatchPlan:
     """Every check of :func:`apply_profile` and every decision it takes, with nothing changed: the
     :class:`PatchPlan` (what would be emulated, native, bound), or the refusal it would raise."""
     kv_split = _kv_split_of(kv_split, exact)
+    if kernels not in KERNELS:
+        raise InputError(f"apply_profile: kernels must be one of {', '.join(KERNELS)}; got {kernels!r}")
+    if kernels == "engine" and not exact:
+        raise InputError("apply_profile: kernels='engine' runs exact mode's attention in the engine's kernel; pass "
+                         "exact=True with it")
     if allow_other_machine and not exact:
         raise InputError("apply_profile: allow_other_machine concerns exact mode's claim on this machine; pass "
                          "exact=True with it (the regions alone make no claim about the machine)")
@@ -436,9 +451,10 @@ def plan_patch(model: torch.nn.Module, profile: Profile | str, *, skip_native: b
     eng = engines.ENGINES.get(prof.engine.name)
     if kv_split is not None and (eng is None or not eng.split_kv or prof.engine.backend != "cpu"):
         raise ExactModeUnavailable(
-            f"kv_split models an engine's split-KV CPU decode (vLLM's attention scheduler); profile "
+            f"kv_split models vLLM's CPU attention scheduler (an engine whose record has split_kv); profile "
             f"{prof.canonical_name} is of "
             f"{prof.engine.name} on {prof.engine.backend}")
+    engine_kernels = _engine_kernels(model, decoders, prof, act, kernels) if exact else ""
     fam = decoders[0].family
     # FP32 master weights (mixed precision): HF's own modules do not round as with weights stored in the
     # activation dtype (e.g. its norm multiplies by the FP32 weight), so every region is emulated.
@@ -463,7 +479,59 @@ def plan_patch(model: torch.nn.Module, profile: Profile | str, *, skip_native: b
         attention=attention, emulated=emulated + (("attention",) if exact else ()) + beside,
         native=tuple(r for r in REGIONS if r not in emulated), exact=exact, skip_native=skip_native, record=record,
         exact_point=exact_point, moe_point=moe_point, shared_point=shared_point, kv_split=kv_split,
-        norm_backend=norm_backend)
+        norm_backend=norm_backend, kernels=engine_kernels)
+
+
+KERNELS = ("auto", "engine", "portable")
+
+
+def _engine_kernels(model: torch.nn.Module, decoders: list[Decoder], prof: Profile, act: torch.dtype,
+                    kernels: str) -> str:
+    """The engine whose own attention kernel exact mode runs (its name, its kernel loaded into
+    ``ops.attention.ENGINE_KERNELS``), or "" for the portable reference: ``kernels`` "portable"; "auto"
+    where the engine's kernel cannot run here (logged); "engine" refuses then."""
+    if kernels == "portable":
+        return ""
+    why = _engine_kernel_unavailable(model, decoders, prof, act)
+    if why is None:
+        return prof.engine.name
+    if kernels == "engine":
+        raise ExactModeUnavailable(f"kernels='engine': {why}; use kernels='portable' (the reference the probe fits)")
+    logging.getLogger("emulator").info("exact mode runs the portable attention reference: %s", why)
+    return ""
+
+
+def _engine_kernel_unavailable(model: torch.nn.Module, decoders: list[Decoder], prof: Profile,
+                               act: torch.dtype) -> str | None:
+    """Why the profile's engine's attention kernel cannot run exact mode's attention here (None: it can,
+    and it is loaded)."""
+    from engineprofiles.store import installed_version
+
+    from ..ops.attention import ENGINE_KERNELS
+
+    e = prof.engine
+    eng = engines.ENGINES.get(e.name)
+    if eng is None or eng.exact_attention is None or eng.attention_isa is None:
+        return f"no engine kernel is known for {e.name}"
+    if e.backend != "cpu" or any(p.device.type != "cpu" for p in model.parameters()):
+        return f"{e.name}'s attention kernel here is its CPU one (profile backend {e.backend}, the model's device)"
+    here = installed_version(e.name)
+    if here is None:
+        return f"{e.name} is not installed in this process's environment"
+    if here.split("+")[0] != e.version.split("+")[0]:
+        return f"{e.name} {here} is installed here, the profile is of {e.version}"
+    try:
+        fn, isa_of = eng.load("exact_attention"), eng.load("attention_isa")
+        head_dims = {int(getattr(layer.self_attn, "head_dim")) for d in decoders for layer in d.layers}
+        isas = {isa_of(act, hd) for hd in head_dims}
+    except Exception as err:  # an engine that does not import or run here: the reference takes over
+        return f"{e.name}'s attention kernel does not load here ({type(err).__name__}: {err})"
+    recorded = e.settings.get("attention_isa")
+    if recorded is None or isas != {recorded}:
+        return (f"{e.name} picks attention ISA {', '.join(sorted(isas))} here for this model, the profile records "
+                f"{recorded or 'none'}")
+    ENGINE_KERNELS[e.name] = fn
+    return None
 
 
 def _apply_plan(model: torch.nn.Module, plan: PatchPlan) -> PatchHandle:
@@ -472,11 +540,12 @@ def _apply_plan(model: torch.nn.Module, plan: PatchPlan) -> PatchHandle:
     prof = plan.profile
     handle = PatchHandle(model, prof, plan.decoders[0].family, emulated=plan.emulated, native=plan.native)
     handle.exact, handle.kv_split, handle.skip_native = plan.exact, plan.kv_split, plan.skip_native
+    handle.kernels = ("engine" if plan.kernels else "portable") if plan.exact else ""
     handle.norm_backend = plan.norm_backend
     try:
         for d in plan.decoders:
             _patch_decoder(handle, d, plan.points, plan.act, plan.emulate, plan.attention, plan.exact_point,
-                           plan.norm_backend, plan.moe_point, plan.shared_point, plan.kv_split)
+                           plan.norm_backend, plan.moe_point, plan.shared_point, plan.kv_split, plan.kernels)
             if handle.native:  # torch.compile is refused (guard.py), wherever it starts; eagerly nothing more is needed
                 refuse = refusal_hook(native_message(handle.native, prof.canonical_name))
                 for mod in _region_modules(d):
@@ -506,7 +575,7 @@ def _apply_plan(model: torch.nn.Module, plan: PatchPlan) -> PatchHandle:
 def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], act: torch.dtype,
                    emulate: dict[str, bool], attention: bool, exact_point: Point | None = None,
                    norm_backend: str | None = None, moe_point: Point | None = None,
-                   shared_point: Point | None = None, kv_split: KVSplit | None = None) -> None:
+                   shared_point: Point | None = None, kv_split: KVSplit | None = None, kernels: str = "") -> None:
     c, p, layers = d.classes, d.path, d.layers
     ACTIVE[d.module] = handle
     handle._undo.append(lambda: ACTIVE.pop(d.module, None))
@@ -545,7 +614,7 @@ def _patch_decoder(handle: PatchHandle, d: Decoder, points: dict[str, Point], ac
             handle._bind(f"{p}.layers.{i}.self_attn", layer.self_attn,
                          fw.attention(points["rope"], act, d.family.qk_norm, c["eager_attention"], d.family.name,
                                       f"{p}.layers.{i}.self_attn", exact_point, rope=d.rope, kv_split=kv_split,
-                                      profile_name=handle.profile.canonical_name))
+                                      profile_name=handle.profile.canonical_name, kernels=kernels))
     if emulate["add_rmsnorm"]:
         # The residual stream's state lives on the modules (a deepcopy of the model gets its own).
         stash = Stash()

@@ -38,6 +38,8 @@ class PatchHandle:
         self.modules: list[str] = []
         self.exact = False  # exact mode: attention computed as the profile's engine computes it
         self.kv_split = None  # exact mode: the engine's split-KV plan (a KVSplit), None for none
+        # exact mode's attention: "engine" (the profile's engine's own kernel) or "portable" (the reference); "" not exact
+        self.kernels = ""
         self.skip_native = True  # apply_profile's option (recorded in the config with record=True)
         self.norm_backend: str | None = None  # exact mode: the norms' emulator backend
         self._undo: list[Callable[[], None]] = []

@@ -649,3 +649,33 @@ def test_exact_mode_says_when_linear_layers_rows_depend_on_the_row_count(monkeyp
     model = tiny_model("qwen2", seed=0)
     with pytest.warns(InexactEvidence, match=r"model\.layers\.0\.self_attn\.q_proj .*rows differ"):
         emulator.apply_profile(model, HERE, exact=True).remove()
+
+
+# -- kernels= (the engine's own attention kernel; tests/engines/test_engine_kernels.py runs it) ----------
+
+
+def test_engine_kernels_without_the_engine_are_refused_and_auto_falls_back_with_a_log_line(caplog):
+    """vLLM is not importable in the test venv: kernels='engine' refuses before anything changes, naming why;
+    'auto' runs the portable reference and logs why; the handle says which runs; a bad value is refused."""
+    import logging
+
+    from emulator.errors import ExactModeUnavailable
+    from emulator.patching.handle import handle_of
+    from engineprofiles.models import tiny_model
+
+    model = tiny_model("qwen2", seed=3)
+    with pytest.raises(ExactModeUnavailable, match="kernels='engine': vllm is not installed"):
+        emulator.apply_profile(model, ENGINE, exact=True, kernels="engine")
+    assert handle_of(model) is None
+    with caplog.at_level(logging.INFO, logger="emulator"):
+        with emulator.apply_profile(model, ENGINE, exact=True) as h:
+            assert h.kernels == "portable"
+    assert any("portable attention reference" in r.getMessage() and "vllm is not installed" in r.getMessage()
+               for r in caplog.records), caplog.text
+    with emulator.apply_profile(model, ENGINE) as h:
+        assert h.kernels == ""  # not exact mode: no attention of the engine's
+    with pytest.raises(InputError, match="kernels must be one of auto, engine, portable"):
+        emulator.apply_profile(model, ENGINE, exact=True, kernels="fast")
+    with pytest.raises(InputError, match="pass exact=True"):
+        emulator.apply_profile(model, ENGINE, kernels="engine")
+    assert handle_of(model) is None

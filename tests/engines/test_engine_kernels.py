@@ -1,0 +1,42 @@
+"""Exact mode through the engine's own attention kernel (apply_profile(..., exact=True, kernels="engine")),
+where the engine is importable in the trainer's process: here vLLM's environment, which has the
+trainer's packages too (transformers, Triton). The kernel's rows must be the portable reference's bit for
+bit wherever the lattice covers the engine's kernel (this machine's profile): one forward over a
+left-padded batch of random lengths on tiny models of random widths (seeded), and a sequence scored as
+vLLM sampled it with its split-KV decode. A must-fail control: the reference at a perturbed attention
+point differs. The engine's kernel must actually run (its calls are counted).
+
+A missing engine environment is a failure, never a skip.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from .envs import REPO, exact_refused_here, require_env
+
+VERSION = "0.32.0"
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("seed", [0, 1])
+def test_exact_mode_with_vllms_kernel_is_the_portable_reference_bit_for_bit(seed):
+    env = require_env("vllm", VERSION)
+    if exact_refused_here("vllm", VERSION, ["--family", "qwen2", "--exact"]):
+        return
+    r = subprocess.run([str(env / "bin" / "python"), "-m", "tests.engines.engine_kernels_worker", str(seed)],
+                       cwd=REPO, capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0, r.stderr[-4000:]
+    cases = json.loads(r.stdout.strip().splitlines()[-1])["cases"]
+    assert len(cases) == 3
+    for c in cases:
+        print(c)
+        assert c["engine ran"] == "engine" and c["portable ran"] == "portable", c
+        assert c["engine kernel calls"] > 0 and c["portable kernel calls"] == 0, c  # the kernel ran, or not
+        assert c["padded batch equal"] and c["sampled split-KV equal"], c
+        assert c["engine repeatable"] and c["portable repeatable"], c
+        assert c["perturbed differs"], c  # the comparison can fail
+        assert c["gradient finite"], c
