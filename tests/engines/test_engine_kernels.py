@@ -22,7 +22,7 @@ VERSION = "0.32.0"
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])  # three families of random widths per seed; about 2 minutes each
 def test_exact_mode_with_vllms_kernel_is_the_portable_reference_bit_for_bit(seed):
     env = require_env("vllm", VERSION)
     if exact_refused_here("vllm", VERSION, ["--family", "qwen2", "--exact"]):
