@@ -44,6 +44,7 @@ def _count_kernel_calls() -> list[int]:
 def main(seed: int) -> dict:
     import emulator
     from engineprofiles.models import tiny_model
+    from engineprofiles.regions.attention import KVSplit
     from engineprofiles.schema import with_points
     from engineprofiles.store import get_profile
 
@@ -55,7 +56,7 @@ def main(seed: int) -> dict:
         kv_heads = rng.choice([1, 2])
         heads = kv_heads * rng.choice([1, 2, 3])
         head_dim = rng.choice([64, 128])
-        hidden = heads * head_dim if family == "qwen2" else rng.choice([128, 192, 256])
+        hidden = heads * (head_dim if family == "qwen2" else rng.choice([32, 48, 64]))  # HF: heads divide hidden
         model = tiny_model(family, seed=rng.randrange(1000), num_attention_heads=heads, num_key_value_heads=kv_heads,
                            head_dim=head_dim, hidden_size=hidden, intermediate_size=256).eval()
         lengths = [rng.randrange(8, 40) for _ in range(3)]
@@ -77,9 +78,12 @@ def main(seed: int) -> dict:
                 case[f"{kernels} s"] = time.perf_counter() - t
                 case[f"{kernels} repeatable"] = bool(torch.equal(again, got[kernels]))
         case["padded batch equal"] = bool(torch.equal(got["engine"], got["portable"]))
-        # vLLM's split-KV decode, one request sampled alone: prompt in one prefill, then decode steps
-        one = ids[:1, width - lengths[0]:]
-        prompt = lengths[0] // 2
+        # vLLM's split-KV decode, one request sampled alone: prompt in one prefill, then decode steps over
+        # long enough contexts that the scheduler splits them across the 2 threads (the rows it splits counted)
+        n = rng.randrange(200, 260)
+        one = torch.randint(1, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed + 7))
+        prompt = rng.randrange(140, 180)
+        case["split rows"] = len(KVSplit(threads=2).sampled_rows(prompt, list(range(n)), heads, kv_heads))
         sampled = {}
         for kernels in ("engine", "portable"):
             with emulator.apply_profile(model, prof, exact=True, kernels=kernels, kv_split=2), \

@@ -37,6 +37,7 @@ def test_exact_mode_with_vllms_kernel_is_the_portable_reference_bit_for_bit(seed
         assert c["engine ran"] == "engine" and c["portable ran"] == "portable", c
         assert c["engine kernel calls"] > 0 and c["portable kernel calls"] == 0, c  # the kernel ran, or not
         assert c["padded batch equal"] and c["sampled split-KV equal"], c
+        assert c["split rows"] > 0, c  # the sampled sequence's decode was split: the split path ran
         assert c["engine repeatable"] and c["portable repeatable"], c
         assert c["perturbed differs"], c  # the comparison can fail
         assert c["gradient finite"], c
