@@ -41,7 +41,7 @@ def round_to(x: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:
     dtype = act_dtype(dtype)
     if x.dtype != torch.float32:
         raise TypeError(f"round_to expects a float32 tensor, got {x.dtype}")
-    if dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.compiler.is_compiling():
+    if dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.compiler.is_compiling() and _fast_bf16():
         # torch's CPU conversion to BF16 is this rounding (round to nearest even, the carry into the
         # exponent, Inf past the largest value), equal bit for bit to the integer form below on every
         # pattern tests/engineprofiles/test_rounding.py tries, and about 10x faster on small tensors (the
@@ -49,6 +49,24 @@ def round_to(x: torch.Tensor, dtype: torch.dtype | str) -> torch.Tensor:
         # conversion round trip unless emulate_precision_casts is on.
         return torch.where(torch.isnan(x), x, x.to(torch.bfloat16).float())
     return round_bits(x, dtype)
+
+
+_FAST_BF16: list[bool] = []
+
+
+def _fast_bf16() -> bool:
+    """Whether this CPU's torch conversion to BF16 is :func:`round_bits` on the patterns where an
+    implementation could differ (subnormals, which a hardware conversion may flush; ties; the carry into
+    the exponent and to Inf; the largest values): checked once per process, else the integer form."""
+    if not _FAST_BF16:
+        lows = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int64)
+        highs = torch.tensor([0x0000, 0x0001, 0x0040, 0x007F, 0x0080, 0x3F80, 0x3F81, 0x7F7F, 0x7F80,
+                              0x8000, 0x8001, 0x807F, 0xBF80, 0xFF7F], dtype=torch.int64)
+        pats = ((highs[:, None] << 16) | lows[None, :]).flatten()
+        x = torch.where(pats >= 1 << 31, pats - (1 << 32), pats).to(torch.int32).view(torch.float32)
+        fast = torch.where(torch.isnan(x), x, x.to(torch.bfloat16).float())  # NaN kept as it came, as round_to does
+        _FAST_BF16.append(bool(torch.equal(fast.view(torch.int32), round_bits(x, torch.bfloat16).view(torch.int32))))
+    return _FAST_BF16[0]
 
 
 def round_bits(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

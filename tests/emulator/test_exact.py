@@ -665,17 +665,17 @@ def test_engine_kernels_without_the_engine_are_refused_and_auto_falls_back_with_
 
     model = tiny_model("qwen2", seed=3)
     with pytest.raises(ExactModeUnavailable, match="kernels='engine': vllm is not installed"):
-        emulator.apply_profile(model, ENGINE, exact=True, kernels="engine")
+        emulator.apply_profile(model, HERE, exact=True, kernels="engine")  # (HERE: the profile made this machine's)
     assert handle_of(model) is None
     with caplog.at_level(logging.INFO, logger="emulator"):
-        with emulator.apply_profile(model, ENGINE, exact=True) as h:
+        with emulator.apply_profile(model, HERE, exact=True) as h:
             assert h.kernels == "portable"
     assert any("portable attention reference" in r.getMessage() and "vllm is not installed" in r.getMessage()
                for r in caplog.records), caplog.text
     with emulator.apply_profile(model, ENGINE) as h:
         assert h.kernels == ""  # not exact mode: no attention of the engine's
     with pytest.raises(InputError, match="kernels must be one of auto, engine, portable"):
-        emulator.apply_profile(model, ENGINE, exact=True, kernels="fast")
+        emulator.apply_profile(model, HERE, exact=True, kernels="fast")
     with pytest.raises(InputError, match="pass exact=True"):
         emulator.apply_profile(model, ENGINE, kernels="engine")
     assert handle_of(model) is None

@@ -126,6 +126,13 @@ def test_the_fast_bf16_rounding_is_the_integer_rounding_bit_for_bit():
     g = torch.Generator().manual_seed(5)
     pats = torch.cat([pats, torch.randint(0, 1 << 32, (1 << 22,), generator=g, dtype=torch.int64)])
     x = torch.where(pats >= 1 << 31, pats - (1 << 32), pats).to(torch.int32).view(torch.float32)
+    import warnings
+
+    from engineprofiles.rounding import _fast_bf16
+
+    if not _fast_bf16():  # round_to then takes the integer form: what follows still holds
+        warnings.warn("this CPU's torch BF16 conversion is not round_bits on round_to's check patterns: round_to "
+                      "uses the integer form here", stacklevel=1)
     fast, ref = round_to(x, torch.bfloat16), round_bits(x, torch.bfloat16)
     assert torch.equal(fast.view(torch.int32), ref.view(torch.int32))
     truncated = (x.view(torch.int32) & -65536).view(torch.float32)
