@@ -649,7 +649,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(a.model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     ps = prompts_for(a.prompts, vocab, a.seed, a.prompt_len)
-    capture = engines.get(a.engine).load("capture")  # the record's capture function (engineprofiles.engines)
+    # the record's capture function (engineprofiles.engines); one of this file's own when it names this module
+    # (run as __main__ by python -m: importing it again would make a second CaptureFailure class)
+    module, _, name = (engines.get(a.engine).capture or "").partition(":")
+    capture = globals()[name] if module == "engineloop.capture" else engines.get(a.engine).load("capture")
     options = {"nccl_port": a.nccl_port} if "nccl_port" in inspect.signature(capture).parameters else {}
     try:
         data = capture(a.model, ps, a.max_tokens, a.seed, a.mode, a.batch_check, **options)
