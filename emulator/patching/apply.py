@@ -272,16 +272,9 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
                   allow_other_machine: bool = False, kernels: str = "auto") -> PatchHandle:
     """Patch ``model`` (a HF transformers Qwen2/Qwen2.5, Qwen3, Llama, Mistral, Qwen3-MoE or Qwen2-MoE model, possibly
     wrapped by PEFT or FSDP2) in place so that RoPE, SwiGLU and the residual RMSNorm round where ``profile``
-    says; in a Qwen3-MoE model the sparse MoE blocks' experts also compute at the profile's ``moe`` point
-    (their router's FP32 top-k weights handed on unrounded where that point keeps ``routing_weight``
-    FP32), and a profile without a measured ``moe`` entry is refused (:class:`RegionUnavailable`). In a
-    Qwen2-MoE model the sparse blocks' shared expert and its sum with the routed experts also compute at
-    the profile's ``shared_expert`` point (a profile without it measured is refused the same way); where
-    that point keeps ``sum`` FP32 the block's output reaches the next residual add unrounded (the
-    decoder layers' residual path is then patched whatever ``skip_native`` says). The
-    moe and shared_expert entries are always emulated (HF's own experts round as configured by
-    ``_experts_implementation``, so none is skipped as native), and a patched MoE model runs eagerly
-    (compiling it is refused).
+    says; a MoE model's experts (and Qwen2-MoE's shared expert with its sum) compute at the profile's ``moe``
+    (``shared_expert``) point, always emulated, eagerly (compiling it is refused); a profile without them
+    measured is refused (:class:`RegionUnavailable`); docs/concepts.md has the details.
     ``profile``: a Profile, a path, a shipped name, or an engine: ``"vllm"``,
     ``"vllm==0.32.0"``, ``"vllm:eager"`` (``ENGINE[==VERSION][:MODE]``; the shipped profile that
     fits this model best: the installed engine version, else the newest; the engine's default mode
