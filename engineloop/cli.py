@@ -488,7 +488,7 @@ def _check_loop_options(family, size, capture, save_capture, prompts, max_tokens
     """The options of the engine-in-the-loop commands that need no engine: checked before it starts; the
     outputs together (runner.check_outputs): none of them the capture or profile file read, two outputs never
     one file, '-' (stdout) for one of them at most."""
-    from engineprofiles.names import check_family_name
+    from engineprofiles.names import check_family_name, check_mode_name
 
     from . import runner
 
@@ -505,8 +505,7 @@ def _check_loop_options(family, size, capture, save_capture, prompts, max_tokens
     if prompt_len < 1 or prompts < 1 or max_tokens < 1:
         raise EngineProfilesError("--prompts, --max-tokens and --prompt-len must be positive")
     _check_seed(seed)
-    if mode not in ("default", "compiled", "eager"):
-        raise EngineProfilesError(f"--mode must be default, compiled or eager; got {mode!r}")
+    check_mode_name(None, mode)
     if save_capture == "-":
         raise EngineProfilesError("--save-capture takes a file (a capture is kept for --capture), not '-'")
     runner.check_outputs([("--json", json_out), ("--plot", plot), ("--save-capture", save_capture)],
@@ -804,8 +803,6 @@ def _in_situ(engine: str, families: list[str], output: Optional[str], seed: int,
                 f"--in-situ runs the engine's CPU build in bfloat16 only; got --dtype {dtype} --device {device}: "
                 "use --op-level for other dtypes and devices"
             )
-        if mode not in ("default", "compiled", "eager"):
-            raise EngineProfilesError(f"--mode must be default, compiled or eager for vllm; got {mode!r}")
         target, is_dir = runner.output_path(output, ship, [("a --capture file", c) for c in captures])
         pairs = in_situ_pairs(engine, families, captures, seed=seed, prompts=prompts, mode=mode, env=env,
                               rope_scaling=rope_scaling, note=note)

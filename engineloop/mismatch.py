@@ -24,7 +24,7 @@ import torch
 from engineprofiles import engines
 from engineprofiles.errors import EngineProfilesError
 from engineprofiles.extras import require
-from engineprofiles.names import check_rope_scaling_name, is_safe_name
+from engineprofiles.names import check_mode_name, check_rope_scaling_name, is_safe_name
 from engineprofiles.metrics import Mismatch, mismatch
 from engineprofiles.families import FAMILIES
 from engineprofiles.regions.attention import KVSplit
@@ -369,8 +369,7 @@ def model_and_capture(engine: str, family: str, *, size: dict[str, int] | None, 
         raise EngineProfilesError(f"unknown model family {family!r}; families: {', '.join(FAMILIES)}")
     if rope_scaling is not None:
         check_rope_scaling_name(rope_scaling)
-    if mode not in ("default", "compiled", "eager"):
-        raise EngineProfilesError(f"--mode must be default, compiled or eager; got {mode!r}")
+    check_mode_name(None, mode)
     size = dict(size or {})
     bad = sorted(set(size) - set(SIZE_FIELDS))
     if bad:

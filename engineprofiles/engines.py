@@ -103,6 +103,11 @@ def with_environment() -> tuple[str, ...]:
     return tuple(n for n, e in ENGINES.items() if e.has_environment())
 
 
+def all_modes() -> tuple[str, ...]:
+    """Every mode some engine takes, in registration order (what --mode takes before an engine is known)."""
+    return tuple(dict.fromkeys(m for e in ENGINES.values() for m in e.modes))
+
+
 def loop_engines() -> tuple[str, ...]:
     """The engines mismatch samples with."""
     return tuple(n for n, e in ENGINES.items() if e.loop_modes)
@@ -153,3 +158,26 @@ register(Engine(
     install_hint="pip install 'transformers>=5.17' (the engineprofiles[insitu] extra)",
     rope=RopeConventions(linear_scales="frequency", dynamic="transformers"),
 ))
+
+
+def _main(argv: list[str]) -> int:
+    """``python3 -m engineprofiles.engines ENGINE``: the engine's default version (an empty line: it has no
+    environment of its own); the shell scripts read the records this way (this module needs the standard
+    library only)."""
+    import sys
+
+    if len(argv) != 1:
+        print("usage: python3 -m engineprofiles.engines ENGINE", file=sys.stderr)
+        return 2
+    try:
+        print(get(argv[0]).default_version or "")
+    except ArgumentError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_main(sys.argv[1:]))

@@ -68,10 +68,11 @@ def check_family_name(name: str) -> str:
     return name
 
 
-def check_mode_name(engine: str, mode: str) -> str:
-    modes = engines.get(engine).modes
+def check_mode_name(engine: str | None, mode: str) -> str:
+    """``mode`` when ``engine`` takes it (None: when some engine does, before the engine is known)."""
+    modes = engines.get(engine).modes if engine else engines.all_modes()
     if mode not in modes:
-        raise ArgumentError(f"{engine} mode must be one of {', '.join(modes)}; got {mode!r}")
+        raise ArgumentError(f"{engine + ' mode' if engine else '--mode'} must be one of {', '.join(modes)}; got {mode!r}")
     return mode
 
 

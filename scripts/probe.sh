@@ -4,7 +4,8 @@
 #
 #   scripts/probe.sh ENGINE [VERSION] [--ship] [probe-engine options...]
 #
-# ENGINE: vllm | sglang (made by scripts/engine_env.sh) or transformers (the dev venv).
+# ENGINE: an engine of engineprofiles/engines.py: vllm | sglang (in their environments, made by
+# scripts/engine_env.sh; VERSION defaults to the record's) or transformers (the dev venv).
 # The profile is written to out/<engine>-<version>-<backend>-<mode>-<dtype>.yaml, or with --ship
 # into profiles/ (the shipped profiles are produced exactly this way, never typed by hand).
 #
@@ -14,12 +15,9 @@ set -euo pipefail
 REPO=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 [[ $# -ge 1 ]] || { echo "usage: $0 ENGINE [VERSION] [--ship] [probe-engine options]" >&2; exit 2; }
 ENGINE=$1; shift
-case "$ENGINE" in
-  vllm) VERSION=0.32.0 ;;
-  sglang) VERSION=0.5.23 ;;
-  transformers) VERSION= ;;
-  *) echo "unknown engine '$ENGINE' (vllm, sglang or transformers)" >&2; exit 2 ;;
-esac
+# the engine's record: its default version, empty where it runs in the dev venv (the standard library only)
+VERSION=$(cd "$REPO" && python3 -S -m engineprofiles.engines "$ENGINE") || exit 2
+OWN_ENV=$VERSION
 if [[ $# -ge 1 && "$1" != -* ]]; then VERSION=$1; shift; fi
 OUT="out"
 ARGS=()
@@ -29,7 +27,7 @@ for a in "$@"; do
 done
 cd "$REPO"
 mkdir -p "$OUT"
-if [[ "$ENGINE" == transformers ]]; then
+if [[ -z "$OWN_ENV" ]]; then
   PY=$("$REPO/scripts/dev_env.sh")
 else
   PY=$("$REPO/scripts/engine_env.sh" "$ENGINE" "$VERSION")

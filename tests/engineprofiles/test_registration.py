@@ -118,3 +118,15 @@ def test_a_registered_family_is_built_checked_and_patched_through_its_record(fam
     handle.remove()
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
+
+
+def test_the_scripts_read_the_engine_records(capsys):
+    """scripts/probe.sh takes an engine's default version (and whether it has an environment) from its record,
+    through ``python3 -S -m engineprofiles.engines`` (the standard library only: no venv needed yet)."""
+    repo = Path(__file__).resolve().parents[2]
+    for name, rec in engines.ENGINES.items():
+        out = subprocess.run(["python3", "-S", "-m", "engineprofiles.engines", name], cwd=repo, capture_output=True,
+                             text=True, check=True).stdout
+        assert out == (rec.default_version or "") + "\n"
+    r = subprocess.run([str(repo / "scripts/probe.sh"), "nosuchengine"], capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown engine 'nosuchengine'; engines: vllm, sglang" in r.stderr
