@@ -374,6 +374,7 @@ class PatchPlan:
     kv_split: KVSplit | None = None
     norm_backend: str | None = None
     kernels: str = ""  # exact mode's attention: the engine whose kernel runs it ("": the portable reference)
+    kernels_option: str = "auto"  # what apply_profile was asked (recorded in the config with record=True)
 
 
 def _kv_split_of(kv_split: KVSplit | int | None, exact: bool) -> KVSplit | None:
@@ -472,7 +473,7 @@ def plan_patch(model: torch.nn.Module, profile: Profile | str, *, skip_native: b
         attention=attention, emulated=emulated + (("attention",) if exact else ()) + beside,
         native=tuple(r for r in REGIONS if r not in emulated), exact=exact, skip_native=skip_native, record=record,
         exact_point=exact_point, moe_point=moe_point, shared_point=shared_point, kv_split=kv_split,
-        norm_backend=norm_backend, kernels=engine_kernels)
+        norm_backend=norm_backend, kernels=engine_kernels, kernels_option=kernels)
 
 
 KERNELS = ("auto", "engine", "portable")
@@ -534,6 +535,7 @@ def _apply_plan(model: torch.nn.Module, plan: PatchPlan) -> PatchHandle:
     handle = PatchHandle(model, prof, plan.decoders[0].family, emulated=plan.emulated, native=plan.native)
     handle.exact, handle.kv_split, handle.skip_native = plan.exact, plan.kv_split, plan.skip_native
     handle.kernels = ("engine" if plan.kernels else "portable") if plan.exact else ""
+    handle.kernels_option = plan.kernels_option
     handle.norm_backend = plan.norm_backend
     try:
         for d in plan.decoders:

@@ -80,6 +80,7 @@ def record(handle: PatchHandle) -> None:
         "skip_native": handle.skip_native,
         "exact": handle.exact,
         "kv_split": None if handle.kv_split is None else dataclasses.asdict(handle.kv_split),
+        "kernels": handle.kernels_option,
         "profile": handle.profile.to_yaml(),
     })
 
@@ -111,6 +112,12 @@ def recorded_profile(model_or_config: Any) -> tuple[Profile, dict[str, Any]] | N
         if not isinstance(v, bool):
             raise ProfileError(f"{k} must be true or false, got {v!r}", source=source, field=k)
         options[k] = v
+    kernels = rec.get("kernels", "auto")  # records written before the option: the default
+    from .apply import KERNELS
+
+    if kernels not in KERNELS:
+        raise ProfileError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}", source=source, field="kernels")
+    options["kernels"] = kernels
     split = rec.get("kv_split")
     if split is not None:
         from engineprofiles.regions.attention import KVSplit
@@ -280,7 +287,7 @@ def _family_classes(family: str) -> tuple[Any, list[type]]:
 
 
 def patch_family(family: str, profile: Any = None, *, skip_native: bool = True, exact: bool = False,
-                 record: bool = False, allow_other_machine: bool = False) -> ClassPatch:
+                 record: bool = False, allow_other_machine: bool = False, kernels: str = "auto") -> ClassPatch:
     """Class-level patching (call it before ``from_pretrained``, as Liger's ``apply_liger_kernel_to_*``):
     every model of ``family`` built while the returned :class:`ClassPatch` is active is patched with
     ``profile`` (anything :func:`~emulator.patching.apply.apply_profile` takes; None: the profile
@@ -293,8 +300,15 @@ def patch_family(family: str, profile: Any = None, *, skip_native: bool = True, 
 
         raise InputError("patch_family: allow_other_machine concerns exact mode's claim on this machine; pass "
                          "exact=True with it")
+    from .apply import KERNELS
+
+    if kernels not in KERNELS or (kernels == "engine" and not exact):
+        from ..errors import InputError
+
+        raise InputError(f"patch_family: kernels must be one of {', '.join(KERNELS)} ('engine' with exact=True: it is "
+                         f"exact mode's attention); got {kernels!r}")
     patch = ClassPatch(family, profile, dict(skip_native=skip_native, exact=exact, record=record,
-                                             allow_other_machine=allow_other_machine))
+                                             allow_other_machine=allow_other_machine, kernels=kernels))
     base, classes = _family_classes(family)
 
     for cls in classes:
@@ -343,9 +357,9 @@ def _restore(cls: type, name: str, had: bool, before: Any):
 
 def _named(family: str):
     def patch(profile: Any = None, *, skip_native: bool = True, exact: bool = False, record: bool = False,
-              allow_other_machine: bool = False) -> ClassPatch:
+              allow_other_machine: bool = False, kernels: str = "auto") -> ClassPatch:
         return patch_family(family, profile, skip_native=skip_native, exact=exact, record=record,
-                            allow_other_machine=allow_other_machine)
+                            allow_other_machine=allow_other_machine, kernels=kernels)
 
     patch.__name__ = f"patch_{family}"
     patch.__doc__ = (f"Class-level patching of the {FAMILIES[family].models} family: "

@@ -40,6 +40,7 @@ class PatchHandle:
         self.kv_split = None  # exact mode: the engine's split-KV plan (a KVSplit), None for none
         # exact mode's attention: "engine" (the profile's engine's own kernel) or "portable" (the reference); "" not exact
         self.kernels = ""
+        self.kernels_option = "auto"  # apply_profile's kernels= (recorded in the config with record=True)
         self.skip_native = True  # apply_profile's option (recorded in the config with record=True)
         self.norm_backend: str | None = None  # exact mode: the norms' emulator backend
         self._undo: list[Callable[[], None]] = []

@@ -192,7 +192,7 @@ def test_a_recorded_profile_is_saved_with_the_model_and_reapplied_on_load(tmp_pa
     assert handle_of(loaded) is None
     assert_same_bits(logits(loaded, ids), plain, "loaded plainly")
     found, options = emulator.recorded_profile(loaded)
-    assert found == prof and options == {"skip_native": False, "exact": False}
+    assert found == prof and options == {"skip_native": False, "exact": False, "kernels": "auto"}
     # ... apply_recorded_profile does, with the recorded options.
     with emulator.apply_recorded_profile(loaded) as h:
         assert h.profile == prof and h.skip_native is False
@@ -218,6 +218,14 @@ def test_a_model_without_a_record_or_with_a_broken_one_says_so():
     model.config.emulator_profile = {"profile": "schema_version: 99\n"}
     with pytest.raises(ProfileError):
         emulator.apply_recorded_profile(model)
+    with emulator.apply_profile(model, get_profile(ALL_EMULATED), record=True):
+        good = dict(model.config.emulator_profile)
+    model.config.emulator_profile = dict(good, kernels="fast")
+    with pytest.raises(ProfileError, match="kernels must be one of auto, engine, portable, got 'fast'"):
+        emulator.apply_recorded_profile(model)
+    del good["kernels"]  # a record written before the option: the default
+    model.config.emulator_profile = good
+    assert emulator.recorded_profile(model)[1]["kernels"] == "auto"
     model.config.emulator_profile = "vllm"
     with pytest.raises(ProfileError, match="not a recorded profile"):
         emulator.apply_recorded_profile(model)

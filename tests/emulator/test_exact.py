@@ -679,3 +679,15 @@ def test_engine_kernels_without_the_engine_are_refused_and_auto_falls_back_with_
     with pytest.raises(InputError, match="pass exact=True"):
         emulator.apply_profile(model, ENGINE, kernels="engine")
     assert handle_of(model) is None
+    # The option travels: recorded in the config (record=True) and given by a class patch.
+    with emulator.apply_profile(model, HERE, exact=True, kernels="portable", record=True) as h:
+        assert h.kernels_option == "portable" and model.config.emulator_profile["kernels"] == "portable"
+        assert emulator.recorded_profile(model)[1]["kernels"] == "portable"
+    with pytest.raises(InputError, match="patch_family: kernels must be one of auto, engine, portable"):
+        emulator.patch_qwen2(HERE, kernels="engine")  # not exact mode
+    with pytest.raises(InputError, match="patch_family: kernels must be"):
+        emulator.patch_qwen2(HERE, exact=True, kernels="fast")
+    with emulator.patch_qwen2(HERE, exact=True, kernels="portable") as patch:
+        other = tiny_model("qwen2", seed=4)
+        assert handle_of(other).kernels_option == "portable" and handle_of(other).kernels == "portable"
+    assert len(patch.handles) == 1
