@@ -135,5 +135,11 @@ def test_the_fast_bf16_rounding_is_the_integer_rounding_bit_for_bit():
                       "uses the integer form here", stacklevel=1)
     fast, ref = round_to(x, torch.bfloat16), round_bits(x, torch.bfloat16)
     assert torch.equal(fast.view(torch.int32), ref.view(torch.int32))
+    # Without a NaN round_to skips keeping NaNs (its sum is no NaN): the same bits there; a NaN alone among
+    # finite values is kept as it came.
+    finite = x[~torch.isnan(x)]
+    assert torch.equal(round_to(finite, torch.bfloat16).view(torch.int32), round_bits(finite, torch.bfloat16).view(torch.int32))
+    one_nan = torch.cat([finite[:1000], x[torch.isnan(x)][:1]])
+    assert torch.equal(round_to(one_nan, torch.bfloat16).view(torch.int32)[-1], one_nan.view(torch.int32)[-1])
     truncated = (x.view(torch.int32) & -65536).view(torch.float32)
     assert not torch.equal(truncated.view(torch.int32), ref.view(torch.int32))
