@@ -61,6 +61,8 @@ class Report:
     engine_decode_equals_prefill: float | None = None
     # The engine against itself in other batch compositions (--batch-check): batch_invariance's result.
     batch_check: dict[str, Any] | None = None
+    # --exact: which attention the exact rows ran: "engine" (the engine's own kernel) or "portable" (the reference)
+    exact_kernels: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(engine=self.engine, family=self.family, profile=self.profile_name,
@@ -68,6 +70,7 @@ class Report:
                     prompt_len=self.prompt_len, command=self.command,
                     engine_decode_equals_prefill=self.engine_decode_equals_prefill,
                     **({"batch_check": self.batch_check} if self.batch_check is not None else {}),
+                    **({"exact_kernels": self.exact_kernels} if self.exact_kernels is not None else {}),
                     sampled=[dict(trainer=n, **m.as_dict()) for n, m in self.rows],
                     prefill=[dict(trainer=n, **m.as_dict()) for n, m in self.prefill_rows])
 
@@ -513,14 +516,15 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                  capture_file: str | None = None, note: Callable[[str], None] = lambda m: None,
                  mode: str = "default", exact: bool = False, size: dict[str, int] | None = None,
                  prompt_len: int = 12, save_capture: str | None = None, batch_check: bool = False,
-                 rope_scaling: str | None = None, allow_other_machine: bool = False) -> Report:
+                 rope_scaling: str | None = None, allow_other_machine: bool = False, kernels: str = "auto") -> Report:
     """``mode``: the engine's default (vLLM on CPU: compiled) or ``eager`` (enforce_eager).
     ``exact``: add the ``exact`` rows (apply_profile(..., exact=True)). ``size``: tiny_model
     overrides (:data:`SIZE_FIELDS`); ``prompt_len``: length of the first prompt. ``batch_check``:
     the engine also scores the sequences in other batch compositions (:func:`batch_invariance`).
     ``rope_scaling``: the tiny model's RoPE scaling (engineprofiles.models.ROPE_SCALINGS).
     ``allow_other_machine``: compute the exact rows although the profile's machine is not the one the
-    engine or the trainer ran on (:func:`check_machine`; refused otherwise)."""
+    engine or the trainer ran on (:func:`check_machine`; refused otherwise). ``kernels``: exact mode's attention
+    (apply_profile's option: the engine's own kernel where this process imports it, or the portable reference)."""
     model, cap = model_and_capture(engine, family, size=size, capture_file=capture_file, save_capture=save_capture,
                                    prompts=prompts, max_tokens=max_tokens, seed=seed, env=env, workdir=workdir,
                                    note=note, mode=mode, prompt_len=prompt_len, batch_check=batch_check,
@@ -553,11 +557,16 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     seqs = cap["sequences"]
     le = torch.tensor([x for s in seqs for x in s["sample_logprobs"]], dtype=torch.float32)
     lpre = torch.tensor([x for s in seqs for x in s["prompt_logprobs"][1:]], dtype=torch.float32)
-    exact_kw = dict(exact=True, kv_split=kv_split, allow_other_machine=allow_other_machine)
+    exact_kw = dict(exact=True, kv_split=kv_split, allow_other_machine=allow_other_machine, kernels=kernels)
     for label, p, ex in variants:
         note(f"trainer: {label}")
-        samp, full = zip(*_patched(model, p, lambda: [sequence_logprobs(model, s) for s in seqs],
+        handles: list = []
+        samp, full = zip(*_patched(model, p, lambda: [sequence_logprobs(model, s) for s in seqs], handles,
                                    **(exact_kw if ex else {})))
+        if ex:
+            report.exact_kernels = handles[0].kernels
+            note("exact mode's attention: " + ("the engine's own kernel" if report.exact_kernels == "engine"
+                                               else "the portable reference"))
         report.rows.append((label, mismatch(le, torch.cat(samp))))
         report.prefill_rows.append((label, mismatch(lpre, torch.cat(full))))
     if exact:
@@ -568,7 +577,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
         report.batch_check = batch_invariance(cap)
         if exact:  # with split-KV off as_sampled changes nothing: then exact mode against a batch-invariant engine
             note("trainer: exact, against the engine's batched decode runs")
-            report.batch_check["exact"] = batch_exact_rows(model, prof, kv_split, cap, allow_other_machine)
+            report.batch_check["exact"] = batch_exact_rows(model, prof, kv_split, cap, allow_other_machine, kernels)
         if not report.batch_check["batch_invariant"]:
             bad = [r["composition"] for r in report.batch_check["rows"] if r["exact_match"] < 1.0 or r.get("diverged")]
             split = eng.get("attention", {}).get("split_kv")
@@ -583,11 +592,14 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     return report
 
 
-def _patched(model, prof: Profile | None, fn: Callable[[], Any], **kw: Any) -> Any:
-    """``fn()`` with ``model`` patched by ``prof`` (apply_profile's options ``kw``; None: as it is)."""
+def _patched(model, prof: Profile | None, fn: Callable[[], Any], handles: list | None = None, **kw: Any) -> Any:
+    """``fn()`` with ``model`` patched by ``prof`` (apply_profile's options ``kw``; None: as it is); the patch's
+    handle is appended to ``handles`` (what it ran, after it is removed)."""
     from emulator.patching import apply_profile
 
     handle = apply_profile(model, prof, **kw) if prof is not None else None
+    if handle is not None and handles is not None:
+        handles.append(handle)
     try:
         return fn()
     finally:
@@ -679,7 +691,7 @@ def _decode_against_prefill(report: Report, eng: dict[str, Any], seqs: list[dict
 
 
 def batch_exact_rows(model, prof: Profile, kv_split: KVSplit | None, cap: dict[str, Any],
-                     allow_other_machine: bool = False) -> list[dict[str, Any]]:
+                     allow_other_machine: bool = False, kernels: str = "auto") -> list[dict[str, Any]]:
     """Exact mode against the engine's decode runs with several requests in one call (the batch check's
     "decoded together" runs): each sequence scored in one forward with its completion rows split as the
     engine's decode steps split them, as sampled alone (``as_sampled(prompt length)``, what a trainer that
@@ -690,7 +702,8 @@ def batch_exact_rows(model, prof: Profile, kv_split: KVSplit | None, cap: dict[s
 
     prompts = [s["prompt"] for s in cap["sequences"]]
     out = []
-    handle = apply_profile(model, prof, exact=True, kv_split=kv_split, allow_other_machine=allow_other_machine)
+    handle = apply_profile(model, prof, exact=True, kv_split=kv_split, allow_other_machine=allow_other_machine,
+                           kernels=kernels)
     try:
         for run in cap["batch_check"]["runs"]:
             if run["kind"] != "decode" or len(run["calls"]) != 1 or len(run["calls"][0]) < 2:

@@ -78,3 +78,21 @@ def test_mismatch_exact_refuses_a_capture_of_an_amx_machine_and_says_why(tmp_pat
     assert any("--allow-other-machine" in w and "amx" in w for w in d["warnings"]), d["warnings"]
     exact = {x["trainer"]: x for x in d["sampled"]}["exact"]
     assert exact["exact_match"] < 1.0  # the vec attention's point is not the amx kernel's bits
+
+
+def test_mismatch_kernels_option_is_checked_before_the_engine_runs():
+    """--kernels takes apply_profile's values, with --exact; 'engine' where this python imports no vLLM (the test
+    venv) is refused naming the engine environment's python; the exact rows say which attention ran
+    (tests/engines/test_exact_mode.py runs --kernels engine in vLLM's environment)."""
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "engineloop.cli", "mismatch", "vllm"]
+    for args, said in ((["--exact", "--kernels", "fast"], "--kernels must be one of auto, engine, portable"),
+                       (["--kernels", "portable"], "pass it with --exact"),
+                       (["--exact", "--kernels", "engine"], "is not importable by this python"),
+                       (["sglang", "--exact", "--kernels", "engine"], "has no kernel exact mode can call")):
+        cmd = base[:-1] + args if args[0] == "sglang" else base + args
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and said in " ".join(r.stderr.split()), (args, r.stderr)
+        assert "Traceback" not in r.stderr

@@ -57,13 +57,14 @@ def engine_mismatch(tmp_path_factory):
     run ``probe-engine COMMAND ENGINE *engine_args *trainer_args`` (``env``: the engine's environment
     variables to set, None as a value removes one, as the engine's default; COMMAND: mismatch or
     localize, which read the same captures), sharing the engine's capture with every other call of
-    the session with the same ``engine``, ``engine_args`` and ``env``."""
+    the session with the same ``engine``, ``engine_args`` and ``env``; ``python``: the interpreter that runs
+    probe-engine (default: this one; an engine environment's runs the trainer side where the engine imports)."""
     from filelock import FileLock
 
     folder = _session_folder(tmp_path_factory)
 
     def run(engine: str, engine_args: list[str], trainer_args: list[str] = (), env: dict | None = None, *,
-            tmp: Path, timeout: int = 1200, command: str = "mismatch") -> MismatchRun:
+            tmp: Path, timeout: int = 1200, command: str = "mismatch", python: str | None = None) -> MismatchRun:
         env = dict(env or {})
         key = hashlib.sha256(json.dumps([engine, list(engine_args), sorted(env.items())]).encode()).hexdigest()[:16]
         cap = folder / f"{engine}-{key}.pt"
@@ -76,7 +77,7 @@ def engine_mismatch(tmp_path_factory):
             # --capture takes the model's size and family from the capture (the size options must go)
             if not ran_engine:
                 source += _kept_with_capture(engine_args)
-            proc = subprocess.run([sys.executable, "-m", "engineloop.cli", command, engine, *source,
+            proc = subprocess.run([python or sys.executable, "-m", "engineloop.cli", command, engine, *source,
                                    *trainer_args, "--json", str(out)],
                                   cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
         result = json.loads(out.read_text()) if proc.returncode == 0 and out.exists() else None

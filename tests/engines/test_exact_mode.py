@@ -74,26 +74,26 @@ WIDE = [("qwen2", ["--heads", "4", "--kv-heads", "2", "--head-dim", "128"]),
 
 @pytest.mark.engine
 @pytest.mark.parametrize("family,heads", WIDE, ids=[f for f, _ in WIDE])
-def test_exact_mode_reproduces_a_wider_compiled_models_log_probs(family, heads, tmp_path):
-    require_env("vllm", VERSION)
+def test_exact_mode_reproduces_a_wider_compiled_models_log_probs(family, heads, engine_mismatch, tmp_path):
+    env = require_env("vllm", VERSION)
     if exact_refused_here("vllm", VERSION, ["--family", family, "--exact"]):
         return
-    out = tmp_path / "m.json"
-    r = subprocess.run(
-        [sys.executable, "-m", "engineloop.cli", "mismatch", "vllm", "--family", family, "--exact", "--prompts", "1",
-         "--layers", "4", "--hidden", "512", "--intermediate", "1024", *heads, "--prompt-len", "200",
-         "--max-tokens", "16", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=1200, env=dict(os.environ, VLLM_CPU_ATTN_SPLIT_KV="0"),
-    )
-    sys.stdout.write(r.stdout[-4000:])
-    assert r.returncode == 0, f"probe-engine mismatch failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
-    d = json.loads(out.read_text())
+    run = ["--family", family, "--prompts", "1", "--layers", "4", "--hidden", "512", "--intermediate", "1024", *heads,
+           "--prompt-len", "200", "--max-tokens", "16"]
+    no_split = {"VLLM_CPU_ATTN_SPLIT_KV": "0"}
+    d = engine_mismatch("vllm", run, ["--exact"], env=no_split, tmp=tmp_path).checked()
     assert d["model"]["num_hidden_layers"] == 4 and d["model"]["hidden_size"] == 512 and d["prompt_len"] == 200
     assert d["engine_decode_equals_prefill"] == 1.0  # split-KV off: the engine agrees with itself
     assert not machine_differences(d["profile"])
     for k in ("sampled", "prefill"):
         ex = {x["trainer"]: x for x in d[k]}["exact"]
         assert ex["exact_match"] == 1.0 and ex["abs_dlogp_max"] == 0.0, (k, ex)
+    if family == "qwen2":  # the wide model through vLLM's own kernel (ENGINE_KERNEL_CASES below: the tiny ones)
+        (tmp_path / "engine").mkdir()
+        d = engine_mismatch("vllm", run, ["--exact", "--kernels", "engine"], env=no_split, tmp=tmp_path / "engine",
+                            python=str(env / "bin" / "python")).checked()
+        assert d["exact_kernels"] == "engine"
+        _assert_exact_rows(d, ("exact", "exact, decoded"))
 
 
 @pytest.mark.engine
@@ -200,3 +200,32 @@ def test_exact_mode_scores_vllms_batched_split_kv_decode_as_sampled_together(eng
             warnings.warn(f"{run}: the engine's batched decode equalled its decode alone here (split-KV "
                           f"{att['split_kv']}, {att['torch_threads']} threads): the batch's plan was not exercised",
                           stacklevel=1)
+
+
+# Exact mode through vLLM's own attention kernel (--kernels engine): the trainer side run by the vLLM environment's
+# python (which has the trainer's packages), on the same engine runs as the portable rows above (their shared
+# captures): compiled and eager, qwen2, qwen3 and llama, tiny (CASES) and wide (WIDE's qwen2). Every row the
+# portable reference makes exact must be exact with the engine's kernel too.
+ENGINE_KERNEL_CASES = [("qwen2", "default"), ("qwen3", "default"), ("llama", "default"), ("qwen3", "eager")]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("family,mode", ENGINE_KERNEL_CASES, ids=[f"{f}-{m}" for f, m in ENGINE_KERNEL_CASES])
+def test_exact_mode_with_the_engines_kernel_reproduces_the_engines_log_probs(family, mode, engine_mismatch, tmp_path):
+    env = require_env("vllm", VERSION)
+    if exact_refused_here("vllm", VERSION, ["--family", family, "--mode", mode, "--exact"], mode=mode):
+        return
+    d = engine_mismatch("vllm", small_run(family, mode), ["--exact", "--kernels", "engine"], tmp=tmp_path,
+                        python=str(env / "bin" / "python")).checked()
+    assert d["exact_kernels"] == "engine"  # vLLM's kernel ran the exact rows
+    _assert_exact_rows(d, ("exact", "exact, decoded"))
+
+
+def _assert_exact_rows(d: dict, labels: tuple[str, ...]) -> None:
+    assert not machine_differences(d["profile"])
+    for k in ("sampled", "prefill"):
+        rows = {x["trainer"]: x for x in d[k]}
+        for label in labels:
+            if label in rows:
+                assert rows[label]["exact_match"] == 1.0 and rows[label]["abs_dlogp_max"] == 0.0, (k, label, rows[label])
+    assert "exact" in {x["trainer"] for x in d["prefill"]} and "exact, decoded" in {x["trainer"] for x in d["sampled"]}
