@@ -5,6 +5,7 @@ and with the engine's own attention kernel (kernels="engine", where the profile'
 run it with that engine's environment's python), measured side by side in one run.
 
     .venv/bin/python scripts/bench_exact.py [--profile NAME] [--tokens 256] [--repeats 3] [--layers 2]
+        [--no-grad] [--modes unpatched,profile,exact,exact engine]
     .engines/vllm-0.32.0/bin/python scripts/bench_exact.py ...     # also exact mode with vLLM's kernel
 
 Qwen2.5-0.5B's widths (hidden 896, MLP 4864, 14 heads, 2 KV heads, head_dim 64), a 256-token
@@ -31,7 +32,12 @@ from engineprofiles.models import QWEN25_05B_WIDTHS, tiny_inputs, tiny_model
 from engineprofiles.store import get_profile
 
 
-def step(model, ids) -> tuple[float, float]:
+def step(model, ids, grad: bool = True) -> tuple[float, float]:
+    if not grad:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model(ids)
+        return time.perf_counter() - t0, 0.0
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     out = model(ids, labels=ids)
@@ -51,45 +57,59 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-grad", action="store_true", help="a no-grad forward in eval mode (scoring), not forward + backward")
+    ap.add_argument("--modes", default="unpatched,profile,exact,exact engine",
+                    help="comma-separated: which trainers to time (unpatched always)")
     args = ap.parse_args()
     if min(args.tokens, args.layers, args.repeats) < 1:
         ap.error("--tokens, --layers and --repeats must be positive")
     prof = get_profile(args.profile)
     model = tiny_model(args.family, num_hidden_layers=args.layers, **QWEN25_05B_WIDTHS)
-    model.train()
+    model.train(not args.no_grad)
     ids = tiny_inputs(model, args.tokens)
-    modes = {"unpatched": None, "profile": (False, "auto"), "exact": (True, "portable"), "exact engine": (True, "engine")}
+    known = {"unpatched": None, "profile": (False, "auto"), "exact": (True, "portable"), "exact engine": (True, "engine")}
+    wanted = {"unpatched", *(m.strip() for m in args.modes.split(","))}
+    if wanted - set(known):
+        ap.error(f"--modes: unknown {', '.join(sorted(wanted - set(known)))}; known: {', '.join(known)}")
+    modes = {m: v for m, v in known.items() if m in wanted}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan_patch(model, prof, exact=True, kernels="engine")
     except ExactModeUnavailable as e:
-        print(f"exact engine: not measured here ({e})", flush=True)
-        del modes["exact engine"]
+        if "exact engine" in modes:
+            print(f"exact engine: not measured here ({e})", flush=True)
+            del modes["exact engine"]
     times: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
 
     def run(mode: str) -> tuple[float, float]:
         ex = modes[mode]
         if ex is None:
-            return step(model, ids)
+            return step(model, ids, not args.no_grad)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CapabilityMismatch)
             with apply_profile(model, prof, exact=ex[0], kernels=ex[1]):
-                return step(model, ids)
+                return step(model, ids, not args.no_grad)
 
     print(f"{args.family}, Qwen2.5-0.5B widths, {args.layers} layers, {args.tokens} tokens, bf16, CPU "
           f"({torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, torch {torch.__version__}); "
-          f"profile {prof.canonical_name}; forward + backward, median of {args.repeats}, interleaved", flush=True)
-    for m in modes:  # warm-up
-        run(m)
+          f"profile {prof.canonical_name}; {'no-grad forward (eval)' if args.no_grad else 'forward + backward'}, "
+          f"median of {args.repeats}, interleaved; 'first': the first call (compiles)", flush=True)
+    first = {m: sum(run(m)) for m in modes}  # warm-up: the first call compiles (exact mode's stack graph)
     for _ in range(args.repeats):
         for m in modes:
             times[m].append(run(m))
     base = times["unpatched"]
-    print(f"{'trainer':<12} {'fwd+bwd':>9} {'forward':>9} {'backward':>9} {'ratio':>7} {'fwd ratio':>10} {'bwd ratio':>10}")
+    if args.no_grad:
+        print(f"{'trainer':<12} {'forward':>9} {'ratio':>7} {'first':>9}")
+        for m, t in times.items():
+            print(f"{m:<12} {med(t, 0):>8.2f}s {med(t, 0) / med(base, 0):>7.2f} {first[m]:>8.1f}s", flush=True)
+        return 0
+    print(f"{'trainer':<12} {'fwd+bwd':>9} {'forward':>9} {'backward':>9} {'ratio':>7} {'fwd ratio':>10} {'bwd ratio':>10} "
+          f"{'first':>9}")
     for m, t in times.items():
         print(f"{m:<12} {med(t):>8.2f}s {med(t, 0):>8.2f}s {med(t, 1):>8.2f}s {med(t) / med(base):>7.2f} "
-              f"{med(t, 0) / med(base, 0):>10.2f} {med(t, 1) / med(base, 1):>10.2f}", flush=True)
+              f"{med(t, 0) / med(base, 0):>10.2f} {med(t, 1) / med(base, 1):>10.2f} {first[m]:>8.1f}s", flush=True)
     return 0
 
 

@@ -272,13 +272,28 @@ def fp32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return torch.stack(outs)
 
 
+def _sdpa_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """:func:`fp32_attention` through torch's fused FP32 attention (its backward about 3x faster on CPU than
+    autograd through the materialized softmax; the same function, to FP32 accuracy): a query row that may attend
+    to no key gives zeros, as there, and passes no gradient."""
+    tq, tk = q.shape[2], k.shape[2]
+    if mask is None:
+        allowed = causal_mask(tq, tk, q.device)[None, None]
+    else:
+        allowed = torch.stack([allowed_from_mask(mask, b, tq, tk, q.device) for b in range(q.shape[0])])[:, None]
+    seen = allowed.any(-1, keepdim=True)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed | ~seen, scale=scale,
+                                                           enable_gqa=q.shape[1] != k.shape[1])
+    return out.masked_fill(~seen, 0.0)
+
+
 def exact_backward(q, k, v, grad, scale: float, mask, need: tuple[bool, bool, bool]):
     """(dq, dk, dv), None where ``need`` says no: the gradient of FP32 attention."""
     if q.numel() == 0:  # an empty output depends on nothing
         return tuple(torch.zeros_like(t) if n else None for t, n in zip((q, k, v), need))
     with autograd_in_op():
         qf, kf, vf = (t.detach().float().requires_grad_(n) for t, n in zip((q, k, v), need))
-        out = fp32_attention(qf, kf, vf, scale, mask)
+        out = _sdpa_fp32(qf, kf, vf, scale, mask)
         wrt = [t for t in (qf, kf, vf) if t.requires_grad]
         grads = iter(torch.autograd.grad(out, wrt, grad.float())) if wrt else iter(())
     return tuple(next(grads).to(t.dtype) if n else None for t, n in zip((q, k, v), need))
