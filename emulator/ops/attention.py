@@ -236,7 +236,7 @@ def exact_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Poin
     if q.numel() == 0:  # no batch row, head, query or lane: an empty output, nothing to compute
         return q.new_zeros(q.shape)
     if _GRADIENT_PASS.get():
-        return fp32_attention(q, k, v, scale, mask).to(q.dtype)
+        return _sdpa_fp32(q.float(), k.float(), v.float(), scale, mask).to(q.dtype)
     outs = []
     for b in range(q.shape[0]):
         allowed = allowed_from_mask(mask, b, q.shape[2], k.shape[2], q.device)
