@@ -38,8 +38,10 @@ def start_vllm(model_dir: str, mode: str, seed: int):
     from vllm import LLM
 
     kw: dict[str, Any] = {"enforce_eager": True} if mode == "eager" else {}
-    return LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", distributed_executor_backend="uni",
-               max_model_len=512, seed=seed, **kw)
+    from .capture import content_addressed  # the compile cache's key (see there)
+
+    return LLM(model=content_addressed(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
+               distributed_executor_backend="uni", max_model_len=512, seed=seed, **kw)
 
 
 def sync(llm, path: str) -> int:

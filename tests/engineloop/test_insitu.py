@@ -2,6 +2,7 @@
 runs in tests/engines)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -297,3 +298,28 @@ def test_an_in_situ_probe_prints_a_summary_that_fits_an_80_column_terminal_in_60
     assert f"probe-engine show {written}" in r.output.replace("\n", "")
     assert all(x in r.output for x in ("swiglu", "silu=", "in situ: bitwise match per captured tensor"))
     assert not any("…" in ln for ln in lines), r.output
+
+
+def test_the_engine_loads_a_model_from_a_path_named_by_its_content(tmp_path, monkeypatch):
+    """vLLM keys its compile cache on the model's path: captures load the model from a copy whose path is its
+    files' hash, so the same tiny model saved twice hits the cache. Same files, same path; other files, another;
+    copies (a file rewritten later leaves them); a folder with a subfolder or over the size bound stays where it is."""
+    from engineloop import capture
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for d, w in ((a, b"weights"), (b, b"weights"), (c, b"weightz")):
+        d.mkdir()
+        (d / "config.json").write_text('{"hidden_size": 8}')
+        (d / "model.safetensors").write_bytes(w)
+    pa, pb, pc = (capture.content_addressed(str(d)) for d in (a, b, c))
+    assert pa == pb != pc and pa.startswith(str(tmp_path / "cache" / "engineprofiles" / "models"))
+    assert sorted(os.listdir(pa)) == ["config.json", "model.safetensors"]
+    (a / "model.safetensors").write_bytes(b"changed")  # rewritten in place: the copy keeps what it was made from
+    assert open(os.path.join(pb, "model.safetensors"), "rb").read() == b"weights"
+    assert capture.content_addressed(str(a)) not in (pa, pc)
+    (c / "sub").mkdir()
+    assert capture.content_addressed(str(c)) == str(c)
+    monkeypatch.setattr(capture, "CONTENT_ADDRESSED_MAX_BYTES", 4)
+    assert capture.content_addressed(str(b)) == str(b)
+    assert not [n for n in os.listdir(tmp_path / "cache" / "engineprofiles" / "models") if n.startswith(".new-")]
