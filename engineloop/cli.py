@@ -390,11 +390,10 @@ def mismatch(
         False, "--allow-other-machine", help="with --exact: compute the exact rows although the profile was probed on "
         "another machine than the engine's or this one (refused otherwise: the engine's kernels follow the CPU; the "
         "rows then carry a warning and are no claim)"),
-    kernels: str = typer.Option(
-        "auto", "--kernels", help="with --exact: exact mode's attention: engine (the engine's own kernel, which this "
-        "process must import: run probe-engine with the engine environment's python; refused otherwise), portable "
-        "(the bit-portable reference the probe fits), auto (the engine's kernel where it loads and is the one the "
-        "profile records, else the reference)"),
+    kernels: str = typer.Option("auto", "--kernels", help="with --exact: exact mode's attention: engine (the engine's "
+                                "own kernel: run probe-engine with the engine environment's python; refused otherwise), "
+                                "portable (the reference the probe fits), auto (the engine's kernel where it loads and "
+                                "is the one the profile records, else the reference)"),
 ) -> None:
     """Sample with the real engine on a tiny local model, recompute the log-probs in the HF trainer
     as-is, with the profile, with each region of the profile alone and (--exact) in exact mode
@@ -457,33 +456,14 @@ def _check_mismatch_options(engine: str, family: str, size: dict[str, int], *, c
     require("insitu", "probe-engine mismatch (the trainer side: HF models patched by the emulator)")
     if allow_other_machine and not exact:
         raise EngineProfilesError("--allow-other-machine concerns the exact rows: pass it with --exact")
-    _check_kernels_option(kernels, exact, record)
+    from .mismatch import check_kernels_option
+
+    check_kernels_option(kernels, exact, record, "probe-engine", "-m engineloop.cli mismatch ...")
     prof = _check_profile_option(profile, engine, exact=exact, capture=capture)
     if exact and prof is not None and capture is None:  # the trainer's machine, before the engine runs
         from .mismatch import check_machine
 
         check_machine(None, prof, allow_other_machine)
-
-
-def _check_kernels_option(kernels: str, exact: bool, record: engines.Engine) -> None:
-    """--kernels: one of apply_profile's values, with --exact; 'engine' only where this process imports the engine
-    (checked again, kernel and ISA, when exact mode is applied)."""
-    import importlib.util
-    import sys
-
-    from emulator.patching.apply import KERNELS
-
-    if kernels not in KERNELS:
-        raise EngineProfilesError(f"--kernels must be one of {', '.join(KERNELS)}; got {kernels!r}")
-    if kernels != "auto" and not exact:
-        raise EngineProfilesError("--kernels chooses exact mode's attention: pass it with --exact")
-    if kernels == "engine" and (record.exact_attention is None or importlib.util.find_spec(record.module) is None):
-        why = ("has no kernel exact mode can call" if record.exact_attention is None
-               else f"is not importable by this python ({sys.executable})")
-        raise EngineProfilesError(f"--kernels engine runs {record.title}'s own attention kernel in this process, and "
-                                  f"{record.name} {why}: run probe-engine with the engine environment's python "
-                                  f"(e.g. .engines/{record.name}-{record.default_version}/bin/python -m engineloop.cli "
-                                  "mismatch ...), or pass --kernels portable")
 
 
 def _write_outputs(rep, json_out, plot) -> None:

@@ -480,6 +480,28 @@ def machine_differences(eng: dict[str, Any] | None, prof: Profile) -> list[str]:
     return out
 
 
+def check_kernels_option(kernels: str, exact: bool, record: engines.Engine, program: str, run: str) -> None:
+    """--kernels: one of apply_profile's values, with --exact; 'engine' only where this process imports the engine
+    (checked again, kernel and ISA, when exact mode is applied). ``program`` and ``run``: the command that takes the
+    option, and its arguments after the engine environment's python, for the hint."""
+    import importlib.util
+    import sys
+
+    from emulator.patching.apply import KERNELS
+
+    if kernels not in KERNELS:
+        raise EngineProfilesError(f"--kernels must be one of {', '.join(KERNELS)}; got {kernels!r}")
+    if kernels != "auto" and not exact:
+        raise EngineProfilesError("--kernels chooses exact mode's attention: pass it with --exact")
+    if kernels == "engine" and (record.exact_attention is None or importlib.util.find_spec(record.module) is None):
+        why = ("has no kernel exact mode can call" if record.exact_attention is None
+               else f"is not importable by this python ({sys.executable})")
+        raise EngineProfilesError(f"--kernels engine runs {record.title}'s own attention kernel in this process, and "
+                                  f"{record.name} {why}: run {program} with the engine environment's python "
+                                  f"(e.g. .engines/{record.name}-{record.default_version}/bin/python {run}), or pass "
+                                  "--kernels portable")
+
+
 def check_machine(eng: dict[str, Any] | None, prof: Profile, allow_other_machine: bool) -> list[str]:
     """Exact mode's machine rule for a capture: raises (naming what differs) unless
     ``allow_other_machine``; then returns the warnings the report carries."""

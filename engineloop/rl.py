@@ -107,23 +107,27 @@ class DemoResult:
     cpu_capability: str = ""
     command: str = ""
     other_machine: list[str] = field(default_factory=list)  # why exact mode's bits are not claimed here
+    exact_kernels: str = ""  # exact mode's attention: "engine" (the engine's own kernel) or "portable"
 
     def as_dict(self) -> dict[str, Any]:
         return dict(engine=self.engine, profile=self.profile, train_with=self.train_with, family=self.family,
                     cpu_capability=self.cpu_capability, command=self.command, other_machine=self.other_machine,
+                    exact_kernels=self.exact_kernels,
                     steps=[dict(step=s.step, reward=s.reward, setups=s.setups) for s in self.steps])
 
 
 def run_demo(engine: str = "vllm", *, family: str = "qwen2", steps: int = 8, prompts: int = 2, group: int = 4,
              prompt_len: int = 12, max_tokens: int = 16, lr: float = 3e-3, seed: int = 0, mode: str = "default",
-             train_with: str = "exact", profile: str | None = None, env: str | None = None,
+             train_with: str = "exact", profile: str | None = None, env: str | None = None, kernels: str = "auto",
              note: Callable[[str], None] = lambda m: None) -> DemoResult:
+    from engineprofiles import engines
     from engineprofiles.models import tiny_model
 
-    from .mismatch import save_model
+    from .mismatch import check_kernels_option, save_model
 
     if train_with not in SETUPS:
         raise EngineProfilesError(f"--train-with must be one of {', '.join(SETUPS)}; got {train_with!r}")
+    check_kernels_option(kernels, True, engines.get(engine), "the demo", "scripts/rl_demo.py ...")
     if min(steps, prompts, group, prompt_len, max_tokens) < 1:
         raise EngineProfilesError("steps, prompts, group, prompt length and max tokens must be positive")
     model = tiny_model(family, seed=seed)
@@ -149,7 +153,8 @@ def run_demo(engine: str = "vllm", *, family: str = "qwen2", steps: int = 8, pro
                 model.eval()
                 for name, setup in setups.items():
                     rec.setups[name] = _demo_score(model, setup, name == train_with, ids, comp, prompt_len, lp_engine,
-                                                   reward.view(prompts, group), kv_split, bool(res.other_machine), opt)
+                                                   reward.view(prompts, group), kv_split, bool(res.other_machine), opt,
+                                                   kernels, res)
                 opt.step()
                 res.steps.append(rec)
                 note(f"step {step + 1}/{steps}: reward {rec.reward:.3f}; k3 KL "
@@ -198,16 +203,19 @@ def _demo_setups(worker: EngineWorker, engine: str, mode: str, profile: str | No
 
 
 def _demo_score(model, setup, train_now: bool, ids, comp, prompt_len: int, lp_engine, grouped, kv_split,
-                other_machine: bool, opt) -> dict[str, float]:
+                other_machine: bool, opt, kernels: str = "auto", res: DemoResult | None = None) -> dict[str, float]:
     """One setup's scores of a step's rollouts against the engine's log-probs (``grouped``: the rewards,
-    prompt by group); the setup that trains takes its policy-gradient step's gradients here."""
+    prompt by group); the setup that trains takes its policy-gradient step's gradients here. ``kernels``: exact
+    mode's attention (apply_profile's option; which ran goes to ``res.exact_kernels``)."""
     from emulator import as_sampled
     from emulator.patching import apply_profile
     from engineprofiles.metrics import rollout_corr
 
     split = kv_split if setup and setup[1] else None
-    handle = apply_profile(model, setup[0], exact=setup[1], kv_split=split,
-                           allow_other_machine=other_machine and setup[1]) if setup else None
+    handle = apply_profile(model, setup[0], exact=setup[1], kv_split=split, allow_other_machine=other_machine and setup[1],
+                           **({"kernels": kernels} if setup[1] else {})) if setup else None
+    if handle is not None and handle.exact and res is not None:
+        res.exact_kernels = handle.kernels
     try:
         # the rows are the engine's batch, in the order it was given them (prompt-major)
         sampled = as_sampled([prompt_len] * len(ids), [comp.shape[1]] * len(ids)) if split else contextlib.nullcontext()

@@ -51,9 +51,10 @@ class Engine:
     capture: str | None = None  # "module:function" that runs it on a local model, inside its environment
     rope: RopeConventions = field(default_factory=RopeConventions)
     split_kv: bool = False  # its CPU decode splits long contexts (exact mode's kv_split plan)
-    # Exact mode's engine kernels (apply_profile(..., kernels=)): "module:function" of its attention kernel on
-    # one request, ``fn(q [Tq, Hq, D], k, v [Tk, Hk, D], *, scale, split_kv) -> [Tq, Hq, D]``, and of the ISA
-    # it picks, ``isa(dtype, head_dim) -> str`` (compared with the profile's engine.settings.attention_isa)
+    # Exact mode's engine kernels (apply_profile(..., kernels=)): "module:function" of its attention kernel in
+    # one engine call over several requests, ``fn([(q [Tq, Hq, D], k, v [Tk, Hk, D]), ...], *, scale, split_kv)
+    # -> [[Tq, Hq, D], ...]``, and of the ISA it picks, ``isa(dtype, head_dim) -> str`` (compared with the
+    # profile's engine.settings.attention_isa)
     exact_attention: str | None = None
     attention_isa: str | None = None
 
@@ -132,7 +133,7 @@ register(Engine(
     localize_modes=("default", "compiled", "eager"),
     capture="engineloop.capture:capture_vllm",
     rope=RopeConventions(dynamic="vllm"), split_kv=True,
-    exact_attention="engineprofiles.probe.adapters.vllm:cpu_attention",
+    exact_attention="engineprofiles.probe.adapters.vllm:cpu_attention_batch",
     attention_isa="engineprofiles.probe.adapters.vllm:attention_isa",
 ))
 register(Engine(

@@ -38,6 +38,10 @@ def main() -> int:
     ap.add_argument("--train-with", default="exact", choices=SETUPS, help="the trainer setup whose gradient updates the policy")
     ap.add_argument("--profile", help="profile to apply (default: the engine's shipped one for its version and mode)")
     ap.add_argument("--env", help="engine environment (venv, python or version)")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "engine", "portable"],
+                    help="exact mode's attention: engine (the engine's own kernel: run this script with the engine "
+                    "environment's python; refused otherwise), portable (the reference the probe fits), auto (the "
+                    "engine's where it loads and is the one the profile records)")
     ap.add_argument("--json", type=Path, help="write the per-step numbers here")
     ap.add_argument("--plot", type=Path, help="draw the per-step k3 KL, importance-ratio spread and reward here (PNG)")
     a = ap.parse_args()
@@ -51,7 +55,7 @@ def main() -> int:
     try:
         res = run_demo(a.engine, family=a.family, steps=a.steps, prompts=a.prompts, group=a.group,
                        prompt_len=a.prompt_len, max_tokens=a.max_tokens, lr=a.lr, seed=a.seed, mode=a.mode,
-                       train_with=a.train_with, profile=a.profile, env=a.env,
+                       train_with=a.train_with, profile=a.profile, env=a.env, kernels=a.kernels,
                        note=lambda m: print(f"  [{time.perf_counter() - t0:6.1f}s] {m}", file=sys.stderr, flush=True))
     except EngineProfilesError as e:
         print(f"error: {e}", file=sys.stderr)

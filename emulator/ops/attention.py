@@ -141,9 +141,25 @@ def _check_sampled_row(n: int, prompt_len: int | None, together: tuple[SampledBa
 
 
 # -- exact mode through the engine's own attention kernel (apply_profile(..., kernels="engine")) ---------
-# engine name -> its kernel on one request (engineprofiles.engines: the record's exact_attention), loaded by
-# apply_profile when the engine is importable in this process and picks the kernel the profile recorded
+# engine name -> its kernel, one engine call over several requests (engineprofiles.engines: the record's
+# exact_attention), loaded by apply_profile when the engine is importable in this process and picks the
+# kernel the profile recorded
 ENGINE_KERNELS: dict[str, object] = {}
+
+
+def _call(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, split_kv: bool) -> torch.Tensor:
+    """One request alone in an engine call."""
+    return fn([(q, k, v)], scale=scale, split_kv=split_kv)[0]
+
+
+def _causal_rows(qe: torch.Tensor, sub: torch.Tensor | None, tk: int) -> torch.Tensor | None:
+    """The query rows that see a key (bool [Tq]) where ``sub`` (the row's [Tq, Tk] mask over its real keys) is
+    causal over the keys for them, as an engine call is; None where it is not (or no row sees a key)."""
+    real = torch.ones(qe.shape[0], dtype=torch.bool) if sub is None else sub.any(-1).cpu()
+    n = int(real.sum())
+    if sub is not None and (n == 0 or not torch.equal(sub[real].cpu(), causal_mask(n, tk))):
+        return None
+    return real
 
 
 def _engine_row(fn, qe: torch.Tensor, ke: torch.Tensor, ve: torch.Tensor, scale: float, sub: torch.Tensor | None,
@@ -153,11 +169,11 @@ def _engine_row(fn, qe: torch.Tensor, ke: torch.Tensor, ve: torch.Tensor, scale:
     ``prompt_len`` the prompt in one call and each later query as a decode step over the keys before it,
     split as the engine's scheduler splits with ``kv_split.threads`` threads. None where the row's mask is
     not causal over its keys for the queries that see any (the portable reference takes those)."""
-    tq, tk = qe.shape[0], ke.shape[0]
-    real = torch.ones(tq, dtype=torch.bool) if sub is None else sub.any(-1).cpu()
-    n = int(real.sum())
-    if sub is not None and (n == 0 or not torch.equal(sub[real].cpu(), causal_mask(n, tk))):
+    tk = ke.shape[0]
+    real = _causal_rows(qe, sub, tk)
+    if real is None:
         return None
+    n = int(real.sum())
     q_real = qe[real]
     threads = torch.get_num_threads()
     if kv_split is not None:
@@ -165,15 +181,14 @@ def _engine_row(fn, qe: torch.Tensor, ke: torch.Tensor, ve: torch.Tensor, scale:
     try:
         split = kv_split is not None
         if prompt_len is None or not split:
-            o = fn(q_real, ke, ve, scale=scale, split_kv=split)
+            o = _call(fn, q_real, ke, ve, scale, split)
         else:
             first = tk - n  # the position of the first real query
             parts = []
             if first < prompt_len:  # queries of the prompt: the engine's prefill of it
-                parts.append(fn(q_real[:prompt_len - first], ke[:prompt_len], ve[:prompt_len], scale=scale,
-                                split_kv=True))
+                parts.append(_call(fn, q_real[:prompt_len - first], ke[:prompt_len], ve[:prompt_len], scale, True))
             for j in range(max(first, prompt_len), tk):  # decode steps, one query over the keys before it
-                parts.append(fn(q_real[j - first:j - first + 1], ke[:j + 1], ve[:j + 1], scale=scale, split_kv=True))
+                parts.append(_call(fn, q_real[j - first:j - first + 1], ke[:j + 1], ve[:j + 1], scale, True))
             o = torch.cat(parts)
     finally:
         torch.set_num_threads(threads)
@@ -182,12 +197,70 @@ def _engine_row(fn, qe: torch.Tensor, ke: torch.Tensor, ve: torch.Tensor, scale:
     return out
 
 
+def _engine_together(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+                     kv_split: KVSplit) -> dict[int, torch.Tensor]:
+    """The rows of a forward sampled together (:func:`as_sampled` with completion lengths) through the engine's
+    kernel, as the engine computed them: every engine call of the batch (its prompts' prefill, then each decode
+    step of the requests still running: :meth:`SampledBatch.steps`), split as the engine's scheduler splits the
+    whole call. A request this forward does not hold (a micro-batch: ``rows=``) goes in with zeros: a request's
+    outputs depend on the others' lengths (the plan), not on their values. The position the engine never ran as
+    a query (the last sampled token) is computed unsplit. {batch row: [Hq, Tq, D]}; a row whose mask is not
+    causal over its real tokens, or not that of its request's tokens, is left out (the portable reference)."""
+    got = _SAMPLED.get()
+    if got is None or got[1] is None or len(got[0]) != q.shape[0]:
+        return {}
+    requests, batch = got
+    held = {}  # request -> (batch row, its real queries' rows, q, k, v of its real tokens, engine layout)
+    for b, r in enumerate(requests):
+        allowed = allowed_from_mask(mask, b, q.shape[2], k.shape[2], q.device)
+        qe, ke, ve = q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1)
+        sub = None
+        if allowed is not None:
+            idx = allowed.any(0).nonzero()[:, 0]
+            ke, ve, sub = ke[idx], ve[idx], allowed[:, idx]
+        real = _causal_rows(qe, sub, ke.shape[0])
+        n = batch.prompt_lengths[r] + batch.completion_lengths[r]
+        if real is None or int(real.sum()) != n or ke.shape[0] != n or r in held:
+            continue
+        held[r] = (b, real, qe[real], ke, ve)
+    if not held:
+        return {}
+    outs = {r: x[2].new_zeros(x[2].shape) for r, x in held.items()}
+    hq, d = q.shape[1], q.shape[3]
+    hk = k.shape[1]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(kv_split.threads)  # the engine's: its scheduler splits by the thread count
+    try:
+        for step in batch.steps():
+            call = []
+            for r, nq, tk in step:
+                if r in held:
+                    _, _, qr, kr, vr = held[r]
+                    call.append((qr[tk - nq:tk], kr[:tk], vr[:tk]))
+                else:
+                    call.append((q.new_zeros(nq, hq, d), k.new_zeros(tk, hk, d), v.new_zeros(tk, hk, d)))
+            for (r, nq, tk), o in zip(step, fn(call, scale=scale, split_kv=True)):
+                if r in held:
+                    outs[r][tk - nq:tk] = o.to(outs[r].device)
+        for r, (_, _, qr, kr, vr) in held.items():  # the last sampled token: never a query in the engine
+            outs[r][-1:] = _call(fn, qr[-1:], kr, vr, scale, False).to(outs[r].device)
+    finally:
+        torch.set_num_threads(threads)
+    result = {}
+    for r, (b, real, *_) in held.items():
+        out = q.new_zeros(q.shape[2], q.shape[1], q.shape[3])
+        out[real.to(out.device)] = outs[r]
+        result[b] = out.transpose(0, 1)
+    return result
+
+
 def _one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, scale: float,
              allowed: torch.Tensor | None, kv_split: KVSplit | None = None,
              prompt_len: int | None = None, together: tuple[SampledBatch, int] | None = None,
              kernels: str = "") -> torch.Tensor:
     """q [Hq, Tq, D], k/v [Hk, Tk, D] of one batch row -> [Hq, Tq, D]. ``kernels``: the engine whose kernel
-    computes it (:data:`ENGINE_KERNELS`; rows sampled together in a batch take the portable reference)."""
+    computes it (:data:`ENGINE_KERNELS`; rows sampled together in a batch: :func:`_engine_together`, those it
+    leaves take the portable reference)."""
     qe, ke, ve = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # engine layout [T, H, D]
     if allowed is not None and not bool(allowed.any()):  # a row of padding only: no key to attend, zeros
         return q.new_zeros(q.shape)
@@ -237,8 +310,13 @@ def exact_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Poin
         return q.new_zeros(q.shape)
     if _GRADIENT_PASS.get():
         return _sdpa_fp32(q.float(), k.float(), v.float(), scale, mask).to(q.dtype)
+    done = _engine_together(ENGINE_KERNELS[kernels], q, k, v, scale, mask, kv_split) if (
+        kernels and kv_split is not None) else {}
     outs = []
     for b in range(q.shape[0]):
+        if b in done:
+            outs.append(done[b])
+            continue
         allowed = allowed_from_mask(mask, b, q.shape[2], k.shape[2], q.device)
         outs.append(_one_row(q[b], k[b], v[b], point, scale, allowed, kv_split, *_prompt_len(b, q.shape[0]),
                              kernels=kernels))

@@ -1,8 +1,8 @@
 """Runs INSIDE vLLM's environment (tests/engines/test_engine_kernels.py), where vLLM is importable in the
 trainer's process: exact mode with the engine's own attention kernel (kernels="engine") against the
 portable reference (kernels="portable") on tiny models of random widths (seeded), as one forward over
-left-padded batches, and scored as sampled with vLLM's split-KV decode (kv_split, as_sampled), and a
-gradient. Prints one JSON object: per case whether the logits are bit-equal, what the handle says ran,
+left-padded batches, and scored as sampled with vLLM's split-KV decode (kv_split, as_sampled: one request
+alone, and a batch sampled together, whole and as a micro-batch), and a gradient. Prints one JSON object: per case whether the logits are bit-equal, what the handle says ran,
 the control (a perturbed attention point differs), and the seconds of each backend's forward.
 
     python -m tests.engines.engine_kernels_worker SEED
@@ -90,6 +90,8 @@ def main(seed: int) -> dict:
                     emulator.as_sampled(prompt):
                 sampled[kernels] = _logits(model, one)
         case["sampled split-KV equal"] = bool(torch.equal(sampled["engine"], sampled["portable"]))
+        if family == "qwen2":  # a rollout batch sampled together: each decode step's split planned for the batch
+            case.update(_sampled_together(model, prof, rng, seed, heads, kv_heads))
         # the control: the portable reference at another attention point gives other bits here
         att = prof.point("attention")
         other = with_points(prof, {"attention": att.replace(probs="rounded" if att["probs"] == "fp32" else "fp32")})
@@ -102,6 +104,38 @@ def main(seed: int) -> dict:
             grad = model.model.layers[0].self_attn.q_proj.weight.grad
             case["gradient finite"] = bool(grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0)
         out["cases"].append(case)
+    return out
+
+
+def _sampled_together(model, prof, rng, seed: int, heads: int, kv_heads: int) -> dict:
+    """Three requests vLLM sampled together (left-padded in one forward, and request 1 alone as a micro-batch:
+    as_sampled(..., rows=[1])) through the engine's kernel and the portable reference."""
+    import emulator
+    from engineprofiles.regions.attention import KVSplit, SampledBatch
+
+    ps = [rng.randrange(140, 180) for _ in range(3)]
+    cs = [rng.randrange(20, 60) for _ in range(3)]
+    ns = [p + c for p, c in zip(ps, cs)]
+    width = max(ns)
+    ids = torch.randint(1, model.config.vocab_size, (3, width), generator=torch.Generator().manual_seed(seed + 11))
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for b, n in enumerate(ns):
+        mask[b, width - n:] = 1
+    batch = SampledBatch(tuple(ps), tuple(cs))
+    split = sum(len(KVSplit(threads=2).sampled_rows(ps[i], list(range(ns[i])), heads, kv_heads, batch=batch, index=i))
+                for i in range(3))
+    got, out = {}, {"together lengths": [ps, cs], "together split rows": split}
+    for kernels in ("engine", "portable"):
+        with emulator.apply_profile(model, prof, exact=True, kernels=kernels, kv_split=2):
+            calls = _count_kernel_calls()
+            with emulator.as_sampled(ps, cs):
+                full = _logits(model, ids, mask)
+            with emulator.as_sampled(ps, cs, rows=[1]):
+                one = _logits(model, ids[1:2, width - ns[1]:])
+            got[kernels] = (full, one)
+            out[f"together {kernels} kernel calls"] = calls[0]
+    out["together equal"] = bool(torch.equal(got["engine"][0], got["portable"][0]))
+    out["together micro-batch equal"] = bool(torch.equal(got["engine"][1], got["portable"][1]))
     return out
 
 

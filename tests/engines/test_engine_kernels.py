@@ -2,9 +2,10 @@
 where the engine is importable in the trainer's process: here vLLM's environment, which has the
 trainer's packages too (transformers, Triton). The kernel's rows must be the portable reference's bit for
 bit wherever the lattice covers the engine's kernel (this machine's profile): one forward over a
-left-padded batch of random lengths on tiny models of random widths (seeded), and a sequence scored as
-vLLM sampled it with its split-KV decode. A must-fail control: the reference at a perturbed attention
-point differs. The engine's kernel must actually run (its calls are counted).
+left-padded batch of random lengths on tiny models of random widths (seeded), a sequence scored as
+vLLM sampled it with its split-KV decode, and a rollout batch scored as sampled together (whole, and one
+request as a micro-batch: the requests the forward does not hold go into the engine's calls as zeros). A
+must-fail control: the reference at a perturbed attention point differs. The engine's kernel must actually run (its calls are counted).
 
 A missing engine environment is a failure, never a skip.
 """
@@ -41,3 +42,7 @@ def test_exact_mode_with_vllms_kernel_is_the_portable_reference_bit_for_bit(seed
         assert c["engine repeatable"] and c["portable repeatable"], c
         assert c["perturbed differs"], c  # the comparison can fail
         assert c["gradient finite"], c
+    together = cases[0]  # qwen2: a rollout batch sampled together, whole and as a micro-batch
+    assert together["together engine kernel calls"] > 0 and together["together portable kernel calls"] == 0, together
+    assert together["together split rows"] > 0, together  # the batch's plan split decode steps
+    assert together["together equal"] and together["together micro-batch equal"], together

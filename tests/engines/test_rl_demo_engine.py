@@ -37,6 +37,7 @@ def test_rl_demo_updates_the_engine_and_exact_mode_tracks_it(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     steps = d["steps"]
     assert len(steps) == 2 and set(steps[0]["setups"]) == {"as-is", "profile", "exact"}
+    assert d["exact_kernels"] == "portable"  # auto, where vLLM is not importable: the reference
     for s in steps:
         assert s["setups"]["exact"]["k3_kl"] <= s["setups"]["profile"]["k3_kl"]
     # the demo says when its profile does not describe this machine, and claims exactness only where it does
@@ -56,11 +57,14 @@ def test_rl_demo_with_long_prompts_scores_the_engines_batched_split_decode(tmp_p
     contexts across its threads, planned for each step's whole batch of 8 rollouts. The demo's exact
     setup splits them as the engine did, the rollout batch scored as sampled together
     (emulator.as_sampled with completion lengths), with gradients on (it trains in exact mode): every
-    sampled token's log-prob is the engine's (2026-12-05, AVX512, 2 threads: 128/128 in both steps)."""
-    require_env("vllm", VERSION)
+    sampled token's log-prob is the engine's (2026-12-05, AVX512, 2 threads: 128/128 in both steps).
+    Run by the vLLM environment's python with --kernels engine: exact mode's attention is vLLM's own kernel,
+    called for every engine step of the rollout batch (the portable reference's demo: the test above)."""
+    env = require_env("vllm", VERSION)
     out = tmp_path / "rl.json"
-    r = subprocess.run([sys.executable, "scripts/rl_demo.py", "--steps", "2", "--lr", "1e-2", "--prompt-len", "150",
-                        "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=1200,
+    r = subprocess.run([str(env / "bin" / "python"), "scripts/rl_demo.py", "--steps", "2", "--lr", "1e-2",
+                        "--prompt-len", "150", "--kernels", "engine", "--json", str(out)], cwd=REPO,
+                       capture_output=True, text=True, timeout=1200,
                        env={k: v for k, v in os.environ.items() if k != "VLLM_CPU_ATTN_SPLIT_KV"})
     sys.stdout.write(r.stdout[-3000:] + r.stderr[-3000:])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -72,5 +76,6 @@ def test_rl_demo_with_long_prompts_scores_the_engines_batched_split_decode(tmp_p
     if d["other_machine"]:
         warnings.warn(f"exact mode's bit-equality is not claimed on this machine: {d['other_machine']}", stacklevel=1)
         return
+    assert d["exact_kernels"] == "engine"
     for s in d["steps"]:
         assert s["setups"]["exact"]["exact_match"] == 1.0 and s["setups"]["exact"]["abs_dlogp_max"] == 0.0, s

@@ -13,6 +13,8 @@ A region compiled alone can round differently from the same region inside the co
 
 from __future__ import annotations
 
+import itertools
+
 import os
 from typing import Any, Callable
 
@@ -458,31 +460,46 @@ def attention_isa(dtype: torch.dtype, head_dim: int, block_size: int = BLOCK_SIZ
 
 def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, split_kv: bool = False,
                   block_size: int = BLOCK_SIZE) -> torch.Tensor:
-    """vLLM's CPU attention kernel (``torch.ops._C.cpu_attention_with_kv_cache``) on one request, as its
-    backend calls it: K/V written into a paged cache by the backend's reshape-and-cache op, the backend's
-    scheduler metadata (``split_kv``: ``VLLM_CPU_ATTN_SPLIT_KV``; the split follows torch's thread count),
-    the ISA it picks. q [Tq, Hq, D] are the last Tq of the Tk positions of k, v [Tk, Hk, D] (causal);
-    returns [Tq, Hq, D] in q's dtype."""
+    """vLLM's CPU attention kernel on one request (:func:`cpu_attention_batch` of one): q [Tq, Hq, D] are the
+    last Tq of the Tk positions of k, v [Tk, Hk, D] (causal); returns [Tq, Hq, D] in q's dtype."""
+    return cpu_attention_batch([(q, k, v)], scale=scale, split_kv=split_kv, block_size=block_size)[0]
+
+
+def cpu_attention_batch(requests: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], *, scale: float,
+                        split_kv: bool = False, block_size: int = BLOCK_SIZE) -> list[torch.Tensor]:
+    """vLLM's CPU attention kernel (``torch.ops._C.cpu_attention_with_kv_cache``) in one call over several
+    requests, as its backend calls it for one step of a batch: each request's K/V written into its own blocks
+    of a paged cache by the backend's reshape-and-cache op, the queries concatenated in the requests' order,
+    the backend's scheduler metadata for the whole call (``split_kv``: ``VLLM_CPU_ATTN_SPLIT_KV``; the split
+    follows torch's thread count and every request's length), the ISA it picks. Each request is (q [Tq, Hq, D],
+    k, v [Tk, Hk, D]), q the last Tq of its Tk positions (causal); returns each request's [Tq, Hq, D]."""
     from vllm import _custom_ops as ops
 
-    dtype = q.dtype
-    tq, hq, d = q.shape
-    tk, hk, _ = k.shape
+    q0, k0 = requests[0][0], requests[0][1]
+    dtype, hq, d, hk = q0.dtype, q0.shape[1], q0.shape[2], k0.shape[1]
     isa = attention_isa(dtype, d, block_size)
-    blocks = (tk + block_size - 1) // block_size
-    cache = torch.zeros(blocks, hk, block_size, 2 * d, dtype=dtype)
-    key_cache, value_cache = cache.view(blocks, hk, 2 * block_size, d).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache,
-                                   torch.arange(tk, dtype=torch.int64), isa)
-    qsl = torch.tensor([0, tq], dtype=torch.int32)
-    seq_lens = torch.tensor([tk], dtype=torch.int32)
+    tqs = [q.shape[0] for q, _, _ in requests]
+    tks = [k.shape[0] for _, k, _ in requests]
+    nblocks = [(tk + block_size - 1) // block_size for tk in tks]
+    cache = torch.zeros(sum(nblocks), hk, block_size, 2 * d, dtype=dtype)
+    key_cache, value_cache = cache.view(sum(nblocks), hk, 2 * block_size, d).chunk(2, dim=2)
+    table = torch.zeros(len(requests), max(nblocks), dtype=torch.int32)
+    slots, first = [], 0
+    for r, (tk, nb) in enumerate(zip(tks, nblocks)):  # request r's blocks follow the previous request's
+        table[r, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
+        slots.append(torch.arange(tk, dtype=torch.int64) + first * block_size)
+        first += nb
+    ops.cpu_attn_reshape_and_cache(torch.cat([k for _, k, _ in requests]).contiguous(),
+                                   torch.cat([v for _, _, v in requests]).contiguous(), key_cache, value_cache,
+                                   torch.cat(slots), isa)
+    qsl = torch.tensor([0, *itertools.accumulate(tqs)], dtype=torch.int32)
+    seq_lens = torch.tensor(tks, dtype=torch.int32)
     sched = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=seq_lens, dtype=dtype,
+        num_reqs=len(requests), num_heads=hq, num_kv_heads=hk, head_dim=d, seq_lens=seq_lens, dtype=dtype,
         query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=split_kv)
-    out = torch.empty(tq, hq, d, dtype=dtype)
+    out = torch.empty(sum(tqs), hq, d, dtype=dtype)
     ops.cpu_attention_with_kv_cache(
-        query=q.contiguous(), key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=qsl,
-        seq_lens=seq_lens, scale=float(scale), causal=True, alibi_slopes=None, sliding_window=-1,
-        block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=0.0, scheduler_metadata=sched,
-        s_aux=None)
-    return out
+        query=torch.cat([q for q, _, _ in requests]).contiguous(), key_cache=key_cache, value_cache=value_cache,
+        output=out, query_start_loc=qsl, seq_lens=seq_lens, scale=float(scale), causal=True, alibi_slopes=None,
+        sliding_window=-1, block_table=table, softcap=0.0, scheduler_metadata=sched, s_aux=None)
+    return list(out.split(tqs))
