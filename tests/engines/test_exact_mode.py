@@ -88,12 +88,12 @@ def test_exact_mode_reproduces_a_wider_compiled_models_log_probs(family, heads, 
     for k in ("sampled", "prefill"):
         ex = {x["trainer"]: x for x in d[k]}["exact"]
         assert ex["exact_match"] == 1.0 and ex["abs_dlogp_max"] == 0.0, (k, ex)
-    if family == "qwen2":  # the wide model through vLLM's own kernel (ENGINE_KERNEL_CASES below: the tiny ones)
-        (tmp_path / "engine").mkdir()
-        d = engine_mismatch("vllm", run, ["--exact", "--kernels", "engine"], env=no_split, tmp=tmp_path / "engine",
-                            python=str(env / "bin" / "python")).checked()
-        assert d["exact_kernels"] == "engine"
-        _assert_exact_rows(d, ("exact", "exact, decoded"))
+    # the wide model through vLLM's own kernel, on the same capture (ENGINE_KERNEL_CASES below: the tiny ones)
+    (tmp_path / "engine").mkdir()
+    d = engine_mismatch("vllm", run, ["--exact", "--kernels", "engine"], env=no_split, tmp=tmp_path / "engine",
+                        python=str(env / "bin" / "python")).checked()
+    assert d["exact_kernels"] == "engine"
+    _assert_exact_rows(d, ("exact", "exact, decoded"))
 
 
 @pytest.mark.engine
@@ -204,7 +204,7 @@ def test_exact_mode_scores_vllms_batched_split_kv_decode_as_sampled_together(eng
 
 # Exact mode through vLLM's own attention kernel (--kernels engine): the trainer side run by the vLLM environment's
 # python (which has the trainer's packages), on the same engine runs as the portable rows above (their shared
-# captures): compiled and eager, qwen2, qwen3 and llama, tiny (CASES) and wide (WIDE's qwen2). Every row the
+# captures): compiled and eager, qwen2, qwen3 and llama, tiny (CASES) and wide (WIDE). Every row the
 # portable reference makes exact must be exact with the engine's kernel too.
 ENGINE_KERNEL_CASES = [("qwen2", "default"), ("qwen3", "default"), ("llama", "default"), ("qwen3", "eager")]
 
