@@ -81,15 +81,21 @@ def main() -> int:
             print(f"exact engine: not measured here ({e})", flush=True)
             del modes["exact engine"]
     times: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+    said: set[str] = set()
 
     def run(mode: str) -> tuple[float, float]:
         ex = modes[mode]
         if ex is None:
             return step(model, ids, not args.no_grad)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("ignore", CapabilityMismatch)
             with apply_profile(model, prof, exact=ex[0], kernels=ex[1]):
-                return step(model, ids, not args.no_grad)
+                took = step(model, ids, not args.no_grad)
+        for w in caught:  # each warning once (exact mode's note on this machine's GEMMs comes with every apply)
+            if str(w.message) not in said:
+                said.add(str(w.message))
+                print(f"{w.category.__name__}: {w.message}", flush=True)
+        return took
 
     print(f"{args.family}, Qwen2.5-0.5B widths, {args.layers} layers, {args.tokens} tokens, bf16, CPU "
           f"({torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, torch {torch.__version__}); "
