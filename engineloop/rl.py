@@ -138,7 +138,7 @@ def run_demo(engine: str = "vllm", *, family: str = "qwen2", steps: int = 8, pro
         note(f"starting {engine} as the rollout worker (engine start-up takes a while)")
         worker = EngineWorker(engine, wd / "policy", mode=mode, seed=seed, log=wd / "worker.log")
         try:
-            res, setups, kv_split = _demo_setups(worker, engine, mode, profile, train_with, family, note)
+            res, setups, kv_split = _demo_setups(worker, engine, mode, profile, train_with, family, note, kernels)
             opt = torch.optim.Adam(model.parameters(), lr=lr)
             g = torch.Generator().manual_seed(seed)
             for step in range(steps):
@@ -168,7 +168,7 @@ def run_demo(engine: str = "vllm", *, family: str = "qwen2", steps: int = 8, pro
 
 
 def _demo_setups(worker: EngineWorker, engine: str, mode: str, profile: str | None, train_with: str, family: str,
-                 note: Callable[[str], None]) -> tuple[DemoResult, dict[str, Any], Any]:
+                 note: Callable[[str], None], kernels: str = "auto") -> tuple[DemoResult, dict[str, Any], Any]:
     """The demo's result so far, its setups (name: None for as-is, else (profile, exact)) and exact mode's
     split-KV plan, for the engine the worker runs."""
     from engineprofiles.machine import record
@@ -185,6 +185,9 @@ def _demo_setups(worker: EngineWorker, engine: str, mode: str, profile: str | No
     elif train_with == "exact":
         raise EngineProfilesError(f"{prof_name} has no measured attention: exact mode is unavailable; "
                                   "pass --train-with profile")
+    elif kernels != "auto":
+        raise EngineProfilesError(f"--kernels {kernels} chooses exact mode's attention, and {prof_name} has no "
+                                  "measured attention (no exact setup): leave --kernels out")
     # vLLM's CPU attention splits long decode contexts across its threads, planned for each step's
     # whole batch: exact mode splits them as it did, scoring each rollout batch as sampled together
     att = worker.hello.get("attention") or {}
