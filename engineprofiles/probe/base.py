@@ -37,6 +37,9 @@ class RegionImpl:
     fn: Callable[..., Any]
     path: str  # the engine code path, e.g. "vllm RMSNorm.forward_native via torch.compile(inductor)"
     notes: list[str] = field(default_factory=list)
+    # what the engine picked to run it that decides the bits (engine.settings entries once probed:
+    # vLLM's attention records the kernel's ISA, which exact mode's engine kernels check)
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

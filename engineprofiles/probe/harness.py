@@ -301,12 +301,13 @@ def run_probe(
             results[name] = probe_region(name, impl, dt, device, seed, quick, progress, adapter.sweep(name))
         d = decide(results[name])
         points[name], evidence[name] = d.winner, d.evidence
-    att_point, att_ev = _attention(adapter, regions, dt, seed, quick, progress)
+    att_point, att_ev, att_settings = _attention(adapter, regions, dt, seed, quick, progress)
     beside = {n: (points.pop(n), evidence.pop(n)) for n in ("moe", "shared_expert")}
     profile = make_profile(
         engine=dict(
             name=info.name, version=info.version, backend=info.backend, device=info.device,
-            torch_version=info.torch_version, execution_mode=info.execution_mode, settings=info.settings,
+            torch_version=info.torch_version, execution_mode=info.execution_mode,
+            settings={**info.settings, **att_settings},
         ),
         dtype=dtype_name(dt),
         points=points,
@@ -329,7 +330,7 @@ def run_probe(
 
 
 def _attention(adapter: Adapter, regions: list[str] | None, dt: torch.dtype, seed: int, quick: bool,
-               progress: Progress | None) -> tuple[Point | None, Evidence]:
+               progress: Progress | None) -> tuple[Point | None, Evidence, dict[str, Any]]:
     from .attention import probe_attention
 
     impl = adapter.attention() if regions is None or "attention" in regions else Unavailable(
@@ -337,13 +338,13 @@ def _attention(adapter: Adapter, regions: list[str] | None, dt: torch.dtype, see
     if isinstance(impl, Unavailable):
         if progress:
             progress(f"attention: unavailable ({impl})")
-        return None, Evidence(status="unavailable", reason=str(impl))
+        return None, Evidence(status="unavailable", reason=str(impl)), {}
     if progress:
         progress(f"attention: probing {impl.path}")
     fit, nondet = probe_attention(impl.fn, dt, seed, quick, progress, extra=adapter.attention_cases())
     ev = fit.evidence(impl.path, notes=impl.notes)
     ev["nondeterministic"] = nondet
-    return fit.point, Evidence(**ev)
+    return fit.point, Evidence(**ev), dict(impl.settings)
 
 
 def machine_record(device: str) -> dict[str, Any]:

@@ -442,6 +442,7 @@ class VllmAdapter(Adapter):
             f"head dims that are multiples of 32, block size {block_size}, split-KV {'on' if split_kv else 'off'})",
             [f"called outside the engine with the backend's own ops and scheduler, {torch.get_num_threads()} "
              "threads; attention runs eagerly in both of vLLM's modes (the compiled graph calls it as an opaque op)"],
+            settings={"attention_isa": str(isa)},
         )
 
 

@@ -244,3 +244,26 @@ def test_every_probed_region_has_its_inputs_reference_and_engine_call_and_no_oth
         reference_outputs("gelu", REGIONS["add_rmsnorm"].all_points()[0], inp)
     with pytest.raises(EngineProfilesError, match="no probe for region 'gelu'"):
         call_engine("gelu", None, inp, "cpu")
+
+
+def test_what_the_engine_picked_to_run_attention_is_recorded_in_the_profile():
+    # vLLM's adapter records the attention kernel's ISA (vec, amx, ...) beside the machine: exact mode's
+    # engine kernels run only where this machine picks the same one (a profile that records none refuses)
+    class WithAttention(SyntheticAdapter):
+        def attention(self):
+            def sdpa(q, k, v, *, scale):
+                qh, kh, vh = (t.transpose(0, 1).float() for t in (q, k, v))
+                kh, vh = (t.repeat_interleave(qh.shape[0] // t.shape[0], 0) for t in (kh, vh))
+                s = (qh @ kh.transpose(1, 2)) * scale
+                tq, tk = s.shape[-2:]
+                s = s.masked_fill(torch.ones(tq, tk, dtype=torch.bool).triu(tk - tq + 1), float("-inf"))
+                return (s.softmax(-1) @ vh).transpose(0, 1).to(q.dtype)
+
+            return RegionImpl(sdpa, "synthetic attention", settings={"attention_isa": "vec"})
+
+    pts = {n: s.all_points()[0] for n, s in REGIONS.items()}
+    prof, _ = run_probe(WithAttention(pts, sweeps=SMALL), regions=["attention"], quick=True)
+    assert prof.engine.settings["attention_isa"] == "vec"
+    assert prof.entry("attention").evidence.status == "measured"
+    prof, _ = run_probe(SyntheticAdapter(pts, sweeps=SMALL), regions=["swiglu"])
+    assert "attention_isa" not in prof.engine.settings  # attention not probed: nothing recorded of it
