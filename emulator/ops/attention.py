@@ -14,6 +14,12 @@ keys of a batch row that are padding are dropped before the reference runs: the 
 query row may see (all of them if it sees none, e.g. a right-padded row), in order. That keeps
 every real key at the index the engine gives it (its lane in the lane-wise sums). Query rows that
 see no key get zeros, and so does a batch row that is padding only (HF accepts one).
+
+Packed rows (several sequences in one batch row, ``position_ids`` restarting at each, no attention
+mask: verl's remove-padding, TRL's padding-free; HF then hands a block-diagonal causal mask when no KV
+cache is used): each sequence is computed alone, as the engine computed it. Any other mask in which a
+query sees a key the row's last query does not (a sliding window, say) is refused
+(:class:`~emulator.errors.InputError`), never computed over the wrong keys.
 """
 
 from __future__ import annotations
@@ -254,6 +260,26 @@ def _engine_together(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     return result
 
 
+def _packed_segments(allowed: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The sequences packed in one batch row: (query positions, key positions) of each, where the row's
+    mask over its real queries and keys (those that see / are seen by any) is block-diagonal causal with
+    two or more blocks; None for any other mask."""
+    if allowed is None or allowed.shape[0] != allowed.shape[1]:
+        return None
+    qi, ki = allowed.any(-1).nonzero()[:, 0], allowed.any(0).nonzero()[:, 0]
+    if len(qi) != len(ki) or len(qi) < 2:
+        return None
+    a = allowed[qi][:, ki].cpu()
+    first = a.to(torch.uint8).argmax(-1)  # each real query's first key
+    starts = ((first[1:] != first[:-1]).nonzero()[:, 0] + 1).tolist()
+    if not starts:
+        return None
+    bounds = [0, *starts, len(qi)]
+    if not torch.equal(a, torch.block_diag(*(causal_mask(e - b, e - b) for b, e in zip(bounds, bounds[1:])))):
+        return None
+    return [(qi[b:e], ki[b:e]) for b, e in zip(bounds, bounds[1:])]
+
+
 def _one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, scale: float,
              allowed: torch.Tensor | None, kv_split: KVSplit | None = None,
              prompt_len: int | None = None, together: tuple[SampledBatch, int] | None = None,
@@ -264,9 +290,25 @@ def _one_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, point: Point, sc
     qe, ke, ve = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # engine layout [T, H, D]
     if allowed is not None and not bool(allowed.any()):  # a row of padding only: no key to attend, zeros
         return q.new_zeros(q.shape)
+    segments = _packed_segments(allowed)
+    if segments is not None:  # packed sequences: each alone, as the engine ran it
+        if prompt_len is not None or together is not None:
+            raise InputError(f"as_sampled describes one sequence per batch row; this row packs {len(segments)} "
+                             "(position_ids restarting, a block-diagonal mask): score packed rows without as_sampled, "
+                             "or one sequence per row")
+        out = q.new_zeros(q.shape)
+        for qi, ki in segments:
+            qi, ki = qi.to(q.device), ki.to(q.device)
+            out[:, qi] = _one_row(q[:, qi], k[:, ki], v[:, ki], point, scale, None, kv_split, kernels=kernels)
+        return out
     idx = None
     if allowed is not None:
         keep = allowed[-1] if bool(allowed[-1].any()) else allowed.any(0)
+        if bool((allowed & ~keep).any()):
+            raise InputError("exact attention: a query of this row sees a key its last query does not (a mask that is "
+                             "neither causal over the row's real tokens, nor padded, nor packed sequences with "
+                             "position_ids restarting); the engine runs each sequence alone and causal: pass such "
+                             "rows one sequence per row")
         idx = keep.nonzero()[:, 0]
     _check_sampled_row(k.shape[1] if idx is None else len(idx), prompt_len, together)
     if kv_split is None:

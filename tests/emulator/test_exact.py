@@ -630,6 +630,71 @@ def test_a_padded_batch_of_mixed_lengths_gives_each_row_its_bits_alone_or_is_ref
             assert_same_bits(batch[i, width - len(s):], alone, f"{family} row {i} ({len(s)} tokens of {width})")
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_packed_sequences_give_each_sequence_its_bits_alone(seed):
+    """Packed rows as verl's remove-padding and TRL's padding-free send them: several sequences in one batch
+    row, position_ids restarting at each, no attention mask, no KV cache (HF then builds a block-diagonal causal
+    mask). Each sequence gets the logits it has alone, bit for bit, on random widths, without and with
+    gradients (the training forward's outputs are the inference graph's)."""
+    import random
+
+    from emulator.patching.gemm import row_variant_linears
+
+    rng = random.Random(100 + seed)
+    family = rng.choice(["qwen2", "qwen3", "llama"])
+    widths = random_widths(rng)
+    widths["hidden_size"] -= widths["hidden_size"] % widths["num_attention_heads"]  # Llama's config asks for it
+    model = tiny_model(family, seed=seed, **widths)
+    if row_variant_linears(model, torch.bfloat16):  # said, and no packed row can be claimed here
+        with pytest.warns(InexactEvidence, match="how many tokens share the GEMM"):
+            emulator.apply_profile(model, HERE, exact=True).remove()
+        return
+    g = torch.Generator().manual_seed(seed)
+    rows = [[torch.randint(0, model.config.vocab_size, (rng.randint(2, 30),), generator=g)
+             for _ in range(rng.randint(2, 4))] for _ in range(2)]
+    width = max(sum(len(s) for s in r) for r in rows)
+    rows = [r + [torch.randint(0, model.config.vocab_size, (width - sum(len(s) for s in r),), generator=g)]
+            if sum(len(s) for s in r) < width else r for r in rows]  # the rest of a row: one more sequence
+    ids = torch.stack([torch.cat(r) for r in rows])
+    pos = torch.stack([torch.cat([torch.arange(len(s)) for s in r]) for r in rows])
+    with emulator.apply_profile(model, HERE, exact=True):
+        with torch.no_grad():
+            packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            alone = [[model(input_ids=s[None], use_cache=False).logits[0] for s in r] for r in rows]
+        model.train()
+        trained = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        trained.float().logsumexp(-1).sum().backward()
+        model.eval()
+    for name, out in (("no grad", packed), ("with gradients", trained)):
+        for b, r in enumerate(rows):
+            start = 0
+            for i, s in enumerate(r):
+                assert_same_bits(out[b, start:start + len(s)].detach(), alone[b][i],
+                                 f"{family} {name}: row {b} sequence {i} ({len(s)} tokens at {start})")
+                start += len(s)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_packed_attention_is_each_sequence_alone_and_other_masks_are_refused():
+    q, k, v = qkv(b=1, tq=17, tk=17, seed=5)
+    cuts = [0, 6, 13, 17]
+    mask = torch.block_diag(*(torch.ones(b - a, b - a, dtype=torch.bool).tril() for a, b in zip(cuts, cuts[1:])))
+    out = F.attention(q, k, v, POINT, attention_mask=mask[None, None])
+    for a, b in zip(cuts, cuts[1:]):
+        alone = F.attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], POINT)
+        assert_same_bits(out[:, :, a:b], alone, f"packed sequence {a}:{b}")
+    # must-fail control: the whole row causal (what a KV cache's mask gives) mixes the sequences
+    assert not torch.equal(F.attention(q, k, v, POINT)[:, :, 6:], out[:, :, 6:])
+    i = torch.arange(17)
+    window = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 8)  # a sliding window: early keys drop out
+    with pytest.raises(InputError, match="sees a key its last query does not"):
+        F.attention(q, k, v, POINT, attention_mask=window[None, None])
+    from engineprofiles.regions.attention import KVSplit
+
+    with emulator.as_sampled(17), pytest.raises(InputError, match="this row packs 3"):
+        F.attention(q, k, v, POINT, attention_mask=mask[None, None], kv_split=KVSplit(threads=2))
+
+
 def test_exact_mode_says_when_linear_layers_rows_depend_on_the_row_count(monkeypatch):
     """The must-fail control of the row check: a linear kernel that rounds differently above 64 rows (as
     oneDNN's AMX path measured on an Intel Xeon) is named in an InexactEvidence warning."""
