@@ -25,8 +25,13 @@ An in-situ profile (provenance.method in-situ) was fitted to the tensors the eng
 when it runs a whole tiny model; for it the engine runs a fresh tiny model of the profile's family
 (new weights and prompts, engineloop.capture) and the patched trainer, teacher-forced
 with the engine's attention outputs, must match the captured q/k of every layer and the final
-hidden states as often as the evidence says (within --rate-tolerance; exactly where the evidence
-matched exactly).
+hidden states as often as the evidence says: bit for bit where the fit reproduced every captured
+element; otherwise each tensor at most --rate-tolerance below its own evidence rate and the total
+within it. (Where the fit is not bitwise as a whole, a tensor the fit happened to match bit for bit
+need not be matched bit for bit on new weights: on a real AVX2 CPU, 2026-12-07, the trainer's norms
+compiled one at a time missed 0.3% of layer 1's q/k on fresh seed-1 weights of tiny Qwen2 and Qwen3,
+all of which the fit's seed-0 captures matched; Inductor fuses the engine's residual add and norm
+across the layers, which only exact mode's whole-stack graph reproduces: exact mode was 100% there.)
 
 An in-situ profile claims what the whole engine computes on the machine it was probed on (its GEMMs
 and attention follow the CPU: vLLM runs its AMX attention where the CPU has AMX). Where this machine's
@@ -297,11 +302,17 @@ def check_in_situ(prof, args) -> list[Row]:
     ev = prof.entry("rope").evidence  # every region of an in-situ profile carries the same evidence
     per = {s.shape: s.match_rate for s in ev.per_shape}
     rows = []
+    bitwise = ev.match_rate == 1.0  # the fit reproduced every captured element: the profile claims bits
     for part, lm in res.layers.items():
         want = per.get(part)
-        ok = lm.matched == lm.total if want == 1.0 else True
+        if want is None:
+            ok, note = True, "see total"
+        elif bitwise:
+            ok, note = lm.matched == lm.total, "bitwise, as in the evidence"
+        else:  # the fit is not bitwise as a whole: each tensor's rate, at most the tolerance below its evidence's
+            ok, note = lm.matched / lm.total >= want - args.rate_tolerance, f"rate at most {args.rate_tolerance} below"
         rows.append(Row("in situ", part, 1, lm.total, lm.matched, -1, want if want is not None else float("nan"), 0,
-                        ok, "bitwise, as in the evidence" if want == 1.0 else "see total", secs))
+                        ok, note, secs))
     tot = res.total
     ok = abs(tot.rate - ev.match_rate) <= args.rate_tolerance
     rows.append(Row("in situ", "total", len(res.layers), tot.total, tot.matched, -1, ev.match_rate, 0, ok,

@@ -71,8 +71,8 @@ def test_every_shipped_engine_profile_is_checked():
 @pytest.mark.engine
 @pytest.mark.parametrize("name,prof", ENGINE_PROFILES, ids=[n for n, _ in ENGINE_PROFILES])
 def test_the_patched_trainer_reproduces_the_engine_the_profile_was_probed_from(name, prof):
-    # Checked natively: under scripts/emulate_cpu.sh the emulated-AVX2 in-situ check missed 0.3% of the
-    # second layer's q/k (2026-12-06, not understood yet); natively that profile is another machine's.
+    # Checked natively (an emulated profile under scripts/emulate_cpu.sh missed 0.3% of the second layer's q/k
+    # in profile mode, as a real AVX2 CPU does: scripts/check_emulator_vs_engine.py says why).
     recorded, here = Machine.of(prof.engine.settings), this_machine()
     diffs = differences(recorded, here)
     r = run_check(engine_python(prof), name)
