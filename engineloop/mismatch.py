@@ -27,7 +27,7 @@ from engineprofiles.extras import require
 from engineprofiles.names import check_mode_name, check_rope_scaling_name, is_safe_name
 from engineprofiles.metrics import Mismatch, mismatch
 from engineprofiles.families import FAMILIES
-from engineprofiles.regions.attention import KVSplit
+from engineprofiles.regions.attention import KVSplit, split_merge
 from engineprofiles.schema import Profile, with_points
 from engineprofiles.store import get_profile, shipped_names
 
@@ -529,8 +529,7 @@ def engine_kv_split(eng: dict[str, Any], prof: Profile) -> KVSplit | None:
     record = engines.ENGINES.get(eng.get("name"))
     if record is None or not record.split_kv or not att.get("split_kv") or not isinstance(threads, int) or threads < 2:
         return None
-    merge = "mul_add" if prof.available("attention") and prof.point("attention")["qk_dot"] == "mul_add" else "fma"
-    return KVSplit(threads=threads, merge=merge)
+    return KVSplit(threads=threads, merge=split_merge(prof.point("attention")) if prof.available("attention") else "fma")
 
 
 def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | None = None, prompts: int = 4,

@@ -10,7 +10,7 @@ import torch
 
 from engineprofiles import engines
 from engineprofiles.regions import FP32, REGIONS, Point
-from engineprofiles.regions.attention import KVSplit
+from engineprofiles.regions.attention import KVSplit, split_merge
 from engineprofiles.rounding import ACT_DTYPES
 from engineprofiles.schema import ENTRY_SINCE, Profile
 from engineprofiles.store import get_profile, names_engine
@@ -332,7 +332,8 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     (vLLM's default) and this many OpenMP threads (an int, or a
     :class:`engineprofiles.regions.attention.KVSplit`): attention computes each batch row as vLLM
     computes one request alone, splitting the keys of a last query tile of one token (every decode
-    step) across the threads as its scheduler does and merging the chunks as its kernel does. The
+    step) across the threads as its scheduler does and merging the chunks as its kernel does (an int takes
+    the merge of the profile's kernel: FMAs in vLLM's AVX-512 build, multiplies and adds in its AVX2 one). The
     split depends on the call's shape: a forward of one query over a KV cache reproduces a decode
     step; a forward of the whole sequence reproduces the engine's prefill of it. None (default): no
     row is split (``VLLM_CPU_ATTN_SPLIT_KV=0``, or one thread).
@@ -377,14 +378,14 @@ class PatchPlan:
     kernels_option: str = "auto"  # what apply_profile was asked (recorded in the config with record=True)
 
 
-def _kv_split_of(kv_split: KVSplit | int | None, exact: bool) -> KVSplit | None:
+def _kv_split_of(kv_split: KVSplit | int | None, exact: bool) -> KVSplit | int | None:
+    """``kv_split`` checked; a thread count stays an int (its KVSplit takes the merge of the profile's kernel)."""
     if kv_split is None:
         return None
     if isinstance(kv_split, int) and not isinstance(kv_split, bool):
         if kv_split < 1:
             raise InputError(f"apply_profile: kv_split is the engine's thread count, a positive integer; got {kv_split}")
-        kv_split = KVSplit(threads=kv_split)
-    if not isinstance(kv_split, KVSplit):
+    elif not isinstance(kv_split, KVSplit):
         raise InputError(f"apply_profile: kv_split must be the engine's thread count (int), a KVSplit or None; "
                          f"got {type(kv_split).__name__}")
     if not exact:
@@ -442,6 +443,8 @@ def plan_patch(model: torch.nn.Module, profile: Profile | str, *, skip_native: b
     shared_point = _shared_point(prof, decoders)
     _check_patchable(model, decoders)
     exact_point = _check_exact(model, decoders, prof, allow_other_machine) if exact else None
+    if isinstance(kv_split, int):  # the engine's thread count: the split merges as the profile's kernel does
+        kv_split = KVSplit(threads=kv_split, merge=split_merge(exact_point))
     eng = engines.ENGINES.get(prof.engine.name)
     if kv_split is not None and (eng is None or not eng.split_kv or prof.engine.backend != "cpu"):
         raise ExactModeUnavailable(

@@ -319,6 +319,13 @@ def _dot(a: torch.Tensor, b: torch.Tensor, how: str) -> torch.Tensor:
     return _dot_seq(a, b, how == "fma")
 
 
+def split_merge(point: Point) -> str:
+    """How the engine whose attention is at ``point`` merges split-KV chunks (:attr:`KVSplit.merge`): vLLM's
+    AVX2 build with separate multiplies and adds (its kernel has no FMA contraction: the point's ``qk_dot``
+    is ``mul_add``), its AVX-512 build with FMAs."""
+    return "mul_add" if point["qk_dot"] == "mul_add" else "fma"
+
+
 def causal_mask(tq: int, tk: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[tq, tk] bool: query i (at position tk - tq + i) sees keys 0 .. tk - tq + i."""
     i = torch.arange(tq, device=device)[:, None] + (tk - tq)

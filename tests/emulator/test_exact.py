@@ -484,6 +484,24 @@ def test_exact_mode_with_kv_split_decodes_as_the_split_engine_and_records_it():
     assert recorded[1]["kv_split"] == KVSplit(threads=4) and recorded[1]["exact"] is True
 
 
+def test_a_thread_count_for_kv_split_merges_as_the_profiles_kernel():
+    """kv_split=N takes the chunk merge of the profile's kernel: FMAs for vLLM's AVX-512 build, separate
+    multiplies and adds for its AVX2 build (whose attention point has qk_dot mul_add); an explicit KVSplit
+    is taken as given."""
+    from emulator.patching.apply import plan_patch
+    from engineprofiles.regions.attention import KVSplit
+
+    model = tiny_model("qwen2")
+    avx2 = on_this_machine(get_profile("vllm-0.32.0-cpu-inductor-bfloat16-insitu-avx2"))
+    assert avx2.point("attention")["qk_dot"] == "mul_add" and HERE.point("attention")["qk_dot"] != "mul_add"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert plan_patch(model, HERE, exact=True, kv_split=2).kv_split == KVSplit(threads=2, merge="fma")
+        assert plan_patch(model, avx2, exact=True, kv_split=2).kv_split == KVSplit(threads=2, merge="mul_add")
+        given = KVSplit(threads=3, merge="fma")
+        assert plan_patch(model, avx2, exact=True, kv_split=given).kv_split == given
+
+
 def _decode_rows(model, ids, prompt):
     """The logits of every sampled position computed as the engine sampled them: the prompt in one forward,
     then one token at a time with the KV cache."""

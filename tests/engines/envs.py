@@ -59,7 +59,8 @@ def exact_refused_here(engine: str, version: str, args: list[str], mode: str = "
     r = subprocess.run([sys.executable, "-m", "engineloop.cli", "mismatch", engine, *args, "--profile", name],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2, f"exact mode must refuse {name} on this machine ({diffs}):\n{r.stdout}\n{r.stderr}"
-    assert "does not describe the machine here" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    said = " ".join(r.stderr.split())  # rich wraps the message at the terminal's width
+    assert "does not describe the machine here" in said and "Traceback" not in said, r.stderr
     warnings.warn(f"{name} is not this machine's profile ({'; '.join(diffs)}): exact mode refused, as it must; "
                   f"probe this machine (scripts/probe.sh {engine} {version}) for the bit-exact claim", stacklevel=2)
     return True
