@@ -199,6 +199,8 @@ def test_exact_mode_refuses_a_profile_of_another_machine_and_changes_nothing(cha
 
     if change.get("cpu_isa") == ["amx_tile"]:  # toggle AMX against this machine, whichever it is
         change = dict(cpu_isa=sorted(set(this_machine().isa) ^ {"amx_tile"}))
+    if change.get("cpu_capability") == "AVX2" and this_machine().capability == "AVX2":  # another ISA than this one
+        change = dict(cpu_capability="AVX512")
     prof = on_this_machine(get_profile(ENGINE), **change)
     model = tiny_model("qwen2", seed=0)
     before = model_state(model)
@@ -520,19 +522,25 @@ def test_one_forward_as_sampled_gives_the_split_decode_rows():
     split decode steps give, bit for bit (without it the full forward's rows differ: a prefill is not
     split like decode steps); padded rows of a batch too, each with its own prompt length."""
     model = tiny_model("qwen2", seed=1)
-    g = torch.Generator().manual_seed(4)
-    ids = torch.randint(0, 256, (1, 150), generator=g)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CapabilityMismatch)
         h = emulator.apply_profile(model, HERE, exact=True, kv_split=4)
     try:
-        want = _decode_rows(model, ids, 90)
-        with torch.no_grad():
-            plain = model(ids).logits[:, 89:149]
-            with emulator.as_sampled(90):
-                got = model(ids).logits[:, 89:149]
+        # inputs whose logits the split changes on this machine (the GEMMs around attention follow the CPU: a
+        # split that moves an attention output by an ULP may round away downstream), else the test cannot tell
+        for seed in range(4, 10):
+            g = torch.Generator().manual_seed(seed)
+            ids = torch.randint(0, 256, (1, 150), generator=g)
+            want = _decode_rows(model, ids, 90)
+            with torch.no_grad():
+                plain = model(ids).logits[:, 89:149]
+            if not torch.equal(plain, want):
+                break
+        else:
+            pytest.fail("the split changed no logit of six inputs: the test cannot tell")
+        with torch.no_grad(), emulator.as_sampled(90):
+            got = model(ids).logits[:, 89:149]
         assert_same_bits(got, want, "one forward as sampled vs the decode steps")
-        assert not torch.equal(plain, want), "the split changed nothing: the test cannot tell"
         # a left-padded batch: the second row's prompt is 70 tokens after 10 pads
         other = torch.randint(0, 256, (1, 140), generator=g)
         want2 = _decode_rows(model, other, 70)
