@@ -51,22 +51,23 @@ def test_real_engine_probe_agrees_with_the_shipped_profile(engine, version, ship
     old = get_profile(shipped)
     d = diff_profiles(old, new, shipped, "probed now")
     print(d.to_markdown())
-    assert d.exit_code == 0, f"{engine} {version} rounds differently from the shipped profile:\n{d.to_markdown()}"
-    # Same inputs, same engine, same CPU code path: the same bits, so the same match rates. On
-    # another vector ISA (the profile records torch's cpu_capability) Inductor vectorizes the
-    # reductions with another width and a residual of a few elements in a million can move; the
-    # sites and the flags must still agree, and the rates are reported side by side as a warning.
     here, there = new.engine.settings.get("cpu_capability"), old.engine.settings.get("cpu_capability")
-    rates = []
+    if here != there:
+        # An op-level profile claims its own vector ISA (scripts/check_emulator_vs_engine.py refuses it on
+        # another; vLLM's eager RoPE differs on AVX2): the probe here must record this machine, and the
+        # difference is reported, not asserted.
+        import torch
+
+        assert here == torch.backends.cpu.get_cpu_capability() and new.engine.version == version, new.engine
+        warnings.warn(f"{engine}: the shipped {shipped} was probed on {there}, this machine has {here}: no claim "
+                      f"here; the probe's diff (exit {d.exit_code}) is printed, not asserted", stacklevel=1)
+        return
+    assert d.exit_code == 0, f"{engine} {version} rounds differently from the shipped profile:\n{d.to_markdown()}"
+    # Same inputs, same engine, same CPU code path: the same bits, so the same match rates.
     for region in ("rope", "swiglu", "add_rmsnorm", "rmsnorm"):
         ev, old_ev = new.entry(region).evidence, old.entry(region).evidence
         assert not (ev.ambiguous or ev.shape_dependent or ev.nondeterministic), (region, ev)
-        if here == there:
-            assert ev.match_rate == old_ev.match_rate, region
-        rates.append(f"{region} {ev.match_rate:.7f} vs {old_ev.match_rate:.7f}")
-    if here != there:
-        warnings.warn(f"{engine}: probed on {here}, the profile on {there}; sites agree, match rates (here vs "
-                      f"profile) not compared: {'; '.join(rates)}", stacklevel=1)
+        assert ev.match_rate == old_ev.match_rate, region
     assert new.engine.version == version
 
 
