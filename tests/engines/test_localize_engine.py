@@ -35,8 +35,9 @@ def test_localize_names_the_first_divergence_and_exact_mode_has_none(mode, engin
         assert any("not observable" in w for w in d["warnings"])
     first = as_is["first_divergence"]
     assert first is not None and first["layer"] == 0, first
-    assert any(f["removes"] for f in as_is["fixes"]), as_is["fixes"]
     other = machine_differences(d["profile"])
+    if not other:  # another machine's profile need not fix this one's engine (the AVX512 RoPE point on AVX2: 64%)
+        assert any(f["removes"] for f in as_is["fixes"]), as_is["fixes"]
     assert any("measured, not claimed" in w for w in d["warnings"]) == bool(other), d["warnings"]
     if not other:
         assert exact["first_divergence"] is None, exact["tensors"]
