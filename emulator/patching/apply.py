@@ -333,9 +333,8 @@ def apply_profile(model: torch.nn.Module, profile: Profile | str, *, skip_native
     :class:`engineprofiles.regions.attention.KVSplit`): attention computes each batch row as vLLM
     computes one request alone, splitting the keys of a last query tile of one token (every decode
     step) across the threads as its scheduler does and merging the chunks as its kernel does (an int: as the
-    profile's kernel, :func:`~engineprofiles.regions.attention.split_merge`). The
-    split depends on the call's shape: a forward of one query over a KV cache reproduces a decode
-    step; a forward of the whole sequence reproduces the engine's prefill of it. None (default): no
+    profile's kernel, ``split_merge``). The split depends on the call's shape: a forward of one query over a KV
+    cache reproduces a decode step; a forward of the whole sequence reproduces the engine's prefill of it. None (default): no
     row is split (``VLLM_CPU_ATTN_SPLIT_KV=0``, or one thread).
 
     ``kernels`` (exact mode's attention): ``"engine"`` runs the profile's engine's own attention kernel
