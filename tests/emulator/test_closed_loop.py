@@ -16,8 +16,21 @@ from engineprofiles.schema import load_profile
 from engineprofiles.store import get_profile, shipped_names
 
 FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
-ENGINE_PROFILES = [n for n in shipped_names() if not n.startswith("transformers-")]
 cli = CliRunner()
+
+
+def _distinct_engine_profiles() -> list[str]:
+    """One shipped engine profile per distinct set of region points (the closed loop reads only those):
+    profiles that differ in provenance or attention alone would run the same probe again."""
+    first: dict[tuple, str] = {}
+    for name in shipped_names():
+        if not name.startswith("transformers-"):
+            prof = get_profile(name)
+            first.setdefault(tuple((r, prof.point(r)) for r in REGIONS), name)
+    return list(first.values())
+
+
+ENGINE_PROFILES = _distinct_engine_profiles()
 
 
 def assert_reports(got, prof):
@@ -41,19 +54,33 @@ def assert_reports(got, prof):
 def test_probing_a_model_patched_with_an_engine_profile_reports_its_sites(family, profile):
     prof = get_profile(profile)
     model = tiny_model(family, seed=2)
+    # the regions a profile patches (attention is exact mode's, fitted against the engine in its own tests)
     with emulator.apply_profile(model, prof):
-        got, _ = run_probe(TransformersAdapter(model=model, label=prof.canonical_name), seed=5)
+        got, _ = run_probe(TransformersAdapter(model=model, label=prof.canonical_name), seed=5, regions=list(REGIONS))
     assert_reports(got, prof)
     assert got.engine.execution_mode == "patched" and got.engine.settings["patched_with"] == prof.canonical_name
     # Unpatched, the same probe reports HF's own sites, which differ from the engine's somewhere.
-    plain, _ = run_probe(TransformersAdapter(model=model), seed=5)
-    assert any(plain.point(r) != got.point(r) for r in REGIONS)
+    plain = _unpatched(family)
+    assert any(plain[r] != got.point(r) for r in REGIONS)
+
+
+_PLAIN: dict[str, dict] = {}
+
+
+def _unpatched(family: str) -> dict:
+    """The region points the probe reports on the unpatched tiny model of ``family`` (one probe per family)."""
+    if family not in _PLAIN:
+        plain, _ = run_probe(TransformersAdapter(model=tiny_model(family, seed=2)), seed=5, regions=list(REGIONS))
+        _PLAIN[family] = {r: plain.point(r) for r in REGIONS}
+    return _PLAIN[family]
 
 
 def test_probe_engine_transformers_apply_probes_a_patched_tiny_model(tmp_path):
     name = "vllm-0.32.0-cpu-inductor-bfloat16"
     out = tmp_path / "closed-loop.yaml"
-    r = cli.invoke(app, ["transformers", "--apply", name, "--family", "qwen3", "-o", str(out)], env={"COLUMNS": "200"})
+    regions = [a for r in REGIONS for a in ("--region", r)]
+    r = cli.invoke(app, ["transformers", "--apply", name, "--family", "qwen3", *regions, "-o", str(out)],
+                   env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     got = load_profile(out)
     assert_reports(got, get_profile(name))
