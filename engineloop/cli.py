@@ -464,6 +464,10 @@ def _check_mismatch_options(engine: str, family: str, size: dict[str, int], *, c
         from .mismatch import check_machine
 
         check_machine(None, prof, allow_other_machine)
+    if exact and prof is not None:  # an attention point short of bitwise: refused now, not after the engine ran
+        from emulator.patching.apply import check_attention_evidence
+
+        check_attention_evidence(prof)
 
 
 def _write_outputs(rep, json_out, plot) -> None:

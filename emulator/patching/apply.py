@@ -214,14 +214,21 @@ def _check_exact(model: torch.nn.Module, decoders: list[Decoder], profile: Profi
             f"did not reproduce every token in exact mode ({sc.rows()}): exact mode may not be bit-exact on this "
             "model's widths either; `probe-engine mismatch ENGINE --exact` with the model's widths measures it",
             InexactEvidence, stacklevel=4)
-    rate = profile.attention.evidence.match_rate
-    if rate is not None and rate < 1.0:
-        warnings.warn(
-            f"profile {profile.canonical_name}: its attention point matched the engine on {rate:.4%} of the probed "
-            "elements, not all; exact mode computes that point, so it cannot be bit-exact to this engine",
-            InexactEvidence, stacklevel=4)
+    check_attention_evidence(profile)
     _check_machine(model, profile, allow_other_machine)
     return profile.point("attention")
+
+
+def check_attention_evidence(profile: Profile) -> None:
+    """Exact mode fails closed on a profile whose attention point did not reproduce every probed element of the
+    engine's kernel: ExactModeUnavailable, naming the rate (before any model is touched)."""
+    rate = profile.attention.evidence.match_rate
+    if rate is not None and rate < 1.0:  # exact mode would compute a point known to differ
+        raise ExactModeUnavailable(
+            f"profile {profile.canonical_name}: its attention point matched the engine on {rate:.4%} of the probed "
+            f"elements, not all (max {profile.attention.evidence.max_ulp} ULP): exact mode would compute that point "
+            "and cannot be bit-exact to this engine, so it refuses. The regions alone: apply_profile(model, profile) "
+            "without exact=True; the engine's kernel is outside the attention lattice (docs/exact-mode.md)")
 
 
 def _check_device(model: torch.nn.Module, profile: Profile) -> None:

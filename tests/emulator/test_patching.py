@@ -77,7 +77,7 @@ def models():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_native_points_are_what_the_installed_transformers_computes(family, models):
-    probed, _ = run_probe(TransformersAdapter(model=models[family]), seed=3)
+    probed, _ = run_probe(TransformersAdapter(model=models[family]), seed=3, regions=list(REGIONS))
     for r in REGIONS:
         assert probed.point(r) == REGIONS[r].canonicalize(NATIVE[r]), r
         assert probed.entry(r).evidence.match_rate == 1.0
@@ -90,7 +90,7 @@ def test_applying_the_installed_transformers_profile_changes_no_bit_of_logits_or
     model = tiny_model(family, seed=1)
     model.train()
     ids = tiny_inputs(model, 24, batch=2, seed=3)
-    probed, _ = run_probe(TransformersAdapter(model=model), seed=3)  # the profile of the installed transformers
+    probed, _ = run_probe(TransformersAdapter(model=model), seed=3, regions=list(REGIONS))  # installed transformers
     before = fwd_bwd(model, ids)
     with emulator.apply_profile(model, probed) as handle:
         assert handle.emulated == () and handle.native == tuple(REGIONS)

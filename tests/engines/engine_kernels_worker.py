@@ -41,7 +41,7 @@ def _count_kernel_calls() -> list[int]:
     return calls
 
 
-def main(seed: int) -> dict:
+def main(seed: int, families: tuple[str, ...] = ("qwen2", "qwen3", "llama")) -> dict:
     import emulator
     from engineprofiles.models import tiny_model
     from engineprofiles.regions.attention import KVSplit
@@ -53,7 +53,7 @@ def main(seed: int) -> dict:
     prof = get_profile(default_profile_name("vllm", VERSION))
     rng = random.Random(seed)
     out = {"cases": []}
-    for family in ("qwen2", "qwen3", "llama"):
+    for family in families:
         kv_heads = rng.choice([1, 2])
         heads = kv_heads * rng.choice([1, 2, 3])
         head_dim = rng.choice([64, 128])
@@ -141,4 +141,4 @@ def _sampled_together(model, prof, rng, seed: int, heads: int, kv_heads: int) ->
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]))))
+    print(json.dumps(main(int(sys.argv[1]), tuple(sys.argv[2:]) or ("qwen2", "qwen3", "llama"))))

@@ -29,7 +29,13 @@ from .envs import machine_differences
 REPO = Path(__file__).resolve().parents[2]
 VERSION = "0.5.23"
 ENV = REPO / ".engines" / f"sglang-{VERSION}"
-SHIPPED = f"sglang-{VERSION}-cpu-eager-bfloat16-insitu"
+
+
+def _shipped_here() -> str:
+    """The shipped in-situ profile exact mode chooses on this machine (its CPU capability first)."""
+    from engineloop.mismatch import default_profile_name
+
+    return default_profile_name("sglang", VERSION)
 
 
 def _need_env() -> Path:
@@ -50,11 +56,23 @@ def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 def test_sglang_engine_in_the_loop_matches_the_shipped_in_situ_profile_and_the_trainer(tmp_path):
     _need_env()
     cap, js = tmp_path / "cap.pt", tmp_path / "m.json"
+    shipped = _shipped_here()
+    old = get_profile(shipped)
     # Exact mode's claim holds on the machine the shipped profile was fitted on; elsewhere its rows are
-    # computed with --allow-other-machine (measured, not claimed) and only the sites are compared.
-    other = machine_differences(SHIPPED)
-    r = _cli("mismatch", "sglang", "--family", "qwen2", "--exact", "--prompts", "2", "--json", str(js),
-             "--save-capture", str(cap), *(["--allow-other-machine"] if other else []))
+    # computed with --allow-other-machine (measured, not claimed) and only the sites are compared. Where this
+    # machine's attention fit is short of bitwise (SGLang's torch_native attention on AVX2: torch's 8-lane softmax
+    # is not in the attention lattice), exact mode must refuse, before the engine runs; the profile rows still run.
+    other = machine_differences(shipped)
+    exact = not other and old.attention.evidence.match_rate == 1.0
+    if not other and not exact:
+        r = _cli("mismatch", "sglang", "--family", "qwen2", "--exact", "--profile", shipped, "--prompts", "2")
+        said = " ".join(r.stderr.split())
+        assert r.returncode == 2 and "matched the engine on" in said and "refuses" in said, r.stderr[-4000:]
+        assert "Traceback" not in said, r.stderr[-4000:]
+        warnings.warn(f"{shipped}: attention fitted to {old.attention.evidence.match_rate:.4%}, not bitwise: exact "
+                      "mode refused, as it must", stacklevel=1)
+    r = _cli("mismatch", "sglang", "--family", "qwen2", *(["--exact"] if exact or other else []), "--prompts", "2",
+             "--json", str(js), "--save-capture", str(cap), *(["--allow-other-machine"] if other else []))
     assert r.returncode == 0, f"probe-engine mismatch sglang failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
     d = json.loads(js.read_text())
     assert d["engine"]["name"] == "sglang" and d["engine"]["version"] == VERSION
@@ -65,13 +83,20 @@ def test_sglang_engine_in_the_loop_matches_the_shipped_in_situ_profile_and_the_t
     out = tmp_path / "insitu.yaml"
     r = _cli("sglang", "--in-situ", "--family", "qwen2", "--capture", str(cap), "-o", str(out))
     assert r.returncode == 0, f"probe-engine sglang --in-situ failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
-    new, old = load_profile(out), get_profile(SHIPPED)
-    assert new.provenance.method == "in-situ" and new.canonical_name == SHIPPED
-    dd = diff_profiles(old, new, SHIPPED, "fitted now")
+    new = load_profile(out)
+    assert new.provenance.method == "in-situ" and (new.canonical_name == shipped or other), (new.canonical_name,
+                                                                                            shipped)
+    dd = diff_profiles(old, new, shipped, "fitted now")
     assert dd.exit_code == 0, dd.to_markdown()
     assert new.point("attention") == old.point("attention"), (new.point("attention"), old.point("attention"))
+    if not other and not exact:  # the fit here is as short of bitwise as the shipped one
+        assert new.attention.evidence.match_rate < 1.0, new.attention.evidence
+        for region in ("rope", "swiglu", "add_rmsnorm", "rmsnorm"):
+            assert new.entry(region).evidence.match_rate == 1.0, region
+        assert rows["prefill"]["as-is"]["exact_match"] < rows["prefill"]["+ engine profile"]["exact_match"]
+        return
 
-    if not other:
+    if exact:
         # every captured tensor and attention output bit for bit, as the shipped evidence says
         for region in ("rope", "swiglu", "add_rmsnorm", "rmsnorm"):
             assert new.entry(region).evidence.match_rate == 1.0, region
