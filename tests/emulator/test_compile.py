@@ -76,8 +76,13 @@ def differing(got, want) -> list[str]:
 # -- bit-equal --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["regions", "exact"])
-@pytest.mark.parametrize("family", FAMILIES)
+# Exact mode compiled in training for Qwen3 only (q/k norms: the richest stack; about 2 minutes a family on the
+# 2-core AVX2 machine): the other families' compiled exact stacks are checked against the engine itself in
+# tests/engines/test_exact_mode.py.
+COMPILE_CASES = [*((f, False) for f in FAMILIES), ("qwen3", True)]
+
+
+@pytest.mark.parametrize("family,exact", COMPILE_CASES, ids=[f"{f}-{'exact' if e else 'regions'}" for f, e in COMPILE_CASES])
 def test_the_compiled_patched_model_is_bit_equal_to_the_eager_patched_model(family, exact):
     model = tiny_model(family, seed=1)
     model.train()
