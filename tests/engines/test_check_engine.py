@@ -40,7 +40,7 @@ def _run(args: list[str], python: str = sys.executable, **env: str) -> subproces
 
 
 @pytest.mark.engine
-def test_check_vllm_against_its_op_level_profile_and_a_doctored_copy(tmp_path):
+def test_check_vllm_against_its_op_level_profile_and_a_doctored_copy(tmp_path, op_level_probe):
     python = _engines() / "vllm-0.32.0" / "bin" / "python"
     if not (python.exists() and (python.parent.parent / ".ready").exists()):
         pytest.fail(f"the vllm 0.32.0 environment is missing in {_engines()}: run `scripts/engine_env.sh vllm 0.32.0` "
@@ -50,9 +50,8 @@ def test_check_vllm_against_its_op_level_profile_and_a_doctored_copy(tmp_path):
     shipped = yaml.safe_load((shipped_dir() / f"{SHIPPED}.yaml").read_text())
     if cap == shipped["engine"]["settings"]["cpu_capability"]:
         reference, data = SHIPPED, shipped
-    else:  # probed here, on this machine's code path
-        fresh = tmp_path / "here.yaml"
-        r = _run(["vllm", "--op-level", "-o", str(fresh)], str(python), ENGINEPROFILES_REEXEC="1")
+    else:  # probed here, on this machine's code path (the session's op-level probe, shared with test_real_engines)
+        r, fresh = op_level_probe("vllm", "0.32.0")
         assert r.returncode == 0, r.stderr[-4000:]
         reference, data = str(fresh), yaml.safe_load(fresh.read_text())
     sites = data["regions"]["swiglu"]["sites"]

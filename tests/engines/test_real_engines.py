@@ -39,7 +39,7 @@ def _probe(python: Path, engine: str, out: Path, *args: str) -> Profile:
 
 @pytest.mark.engine
 @pytest.mark.parametrize("engine,version,shipped", REAL, ids=[e for e, _, _ in REAL])
-def test_real_engine_probe_agrees_with_the_shipped_profile(engine, version, shipped, tmp_path):
+def test_real_engine_probe_agrees_with_the_shipped_profile(engine, version, shipped, op_level_probe):
     python = REPO / ".engines" / f"{engine}-{version}" / "bin" / "python"
     if not (python.exists() and (python.parent.parent / ".ready").exists()):
         pytest.fail(
@@ -47,7 +47,10 @@ def test_real_engine_probe_agrees_with_the_shipped_profile(engine, version, ship
             "(scripts/test.sh does this). Engine tests are not skipped.",
             pytrace=False,
         )
-    new = _probe(python, engine, tmp_path / "probed.yaml", "--op-level")
+    r, path = op_level_probe(engine, version)  # the session's op-level probe of this engine (shared)
+    sys.stdout.write(r.stdout[-6000:])
+    assert r.returncode == 0, f"probe-engine {engine} --op-level failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
+    new = load_profile(path)
     old = get_profile(shipped)
     d = diff_profiles(old, new, shipped, "probed now")
     print(d.to_markdown())
