@@ -468,6 +468,23 @@ def _check_mismatch_options(engine: str, family: str, size: dict[str, int], *, c
         from emulator.patching.apply import check_attention_evidence
 
         check_attention_evidence(prof)
+        _check_blocks_entries(prof, family)
+
+
+def _check_blocks_entries(prof, family: str) -> None:
+    """A family with sparse MoE blocks needs the profile's moe entry (and shared_expert where it has one):
+    without it the exact rows would be refused after the engine ran, so the run is refused now."""
+    from engineprofiles.families import FAMILIES
+
+    fam = FAMILIES.get(family)
+    need = [] if fam is None else [e for e, on in (("moe", fam.moe), ("shared_expert", fam.shared_expert)) if on]
+    for entry in need:
+        if not prof.available(entry):
+            raise EngineProfilesError(
+                f"--exact: profile {prof.canonical_name} has no measured {entry} entry "
+                f"({prof.entry(entry).evidence.reason}), and the {family} model has sparse MoE blocks that exact "
+                f"mode computes at that point: refused before the engine runs; use a profile in which {entry} was "
+                "measured")
 
 
 def _write_outputs(rep, json_out, plot) -> None:

@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 from engineloop.cli import app
 from engineprofiles.regions import REGIONS
 from engineprofiles.schema import make_profile
+from engineprofiles import store
 from engineprofiles.store import ENV_VAR
 
 from .helpers import evil_capture
@@ -349,3 +350,18 @@ def test_a_mismatch_report_fits_an_80_column_terminal_and_is_whole_when_piped(da
     text = piped.file.getvalue()
     header = next(ln for ln in text.splitlines() if "trainer" in ln and "PPL ratio" in ln)
     assert "…" not in header and all(c in header for c in tables.COLUMNS)
+
+
+@pytest.mark.parametrize("family,entry", [("qwen3_moe", "moe"), ("qwen2_moe", "shared_expert")])
+def test_mismatch_exact_refuses_a_profile_without_the_moe_blocks_entries_before_the_engine_runs(family, entry,
+                                                                                                   tmp_path):
+    import yaml
+
+    data = yaml.safe_load(store.resolve("vllm-0.32.0-cpu-inductor-bfloat16").read_text())
+    data[entry]["sites"] = None
+    data[entry]["evidence"] = {"status": "unavailable", "reason": "not probed (test)"}
+    path = tmp_path / "no-entry.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    r = runner.invoke(app, ["mismatch", "vllm", "--family", family, "--exact", "--profile", str(path),
+                            "--allow-other-machine", "--env", str(tmp_path / "no-such-env")])
+    _refused(r, f"has no measured {entry} entry", "refused before the engine runs")

@@ -76,11 +76,12 @@ def _refused_without_the_blocks_entries(family: str, mode: str) -> bool:
     missing = [n for n in need if not get_profile(name).available(n)]
     if not missing:
         return False
+    # with --profile the refusal comes before the engine runs
     r = subprocess.run([sys.executable, "-m", "engineloop.cli", "mismatch", "vllm", *small_run(family, mode, None),
-                        "--exact", "--prompts", "1", "--max-tokens", "2"], cwd=REPO, capture_output=True, text=True,
-                       timeout=900)
+                        "--exact", "--profile", name], cwd=REPO, capture_output=True, text=True, timeout=900)
     said = " ".join(r.stderr.split())
     assert r.returncode == 2 and f"has no measured {missing[0]} entry" in said and "Traceback" not in said, r.stderr
+    assert "before the engine runs" in said, r.stderr
     warnings.warn(f"{name} has no measured {', '.join(missing)}: exact mode on {family} refused, as it must",
                   stacklevel=2)
     return True
