@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The test suite, as CI runs it: make the test venv and the engine environments, then pytest.
 # Extra arguments go to pytest. Fails when any test fails or when no test ran (pytest exit 5).
-# Without arguments it runs in two phases: the engine tests (marker `engine`: real engines, one at a time, as
-# each engine takes the machine's threads), then the rest in TEST_WORKERS processes (pytest-xdist; default 2:
-# on the 2-core AVX2 machine, 2026-12-07, nine exact-mode tests took 229 s with two workers against 305 s in
-# one; most of a test's time is single-threaded tracing and compiling). TEST_WORKERS=1 runs them in this
-# process. With arguments, one pytest run of exactly those (TEST_WORKERS processes where given).
+# Without arguments it runs the engine tests (marker `engine`: real engines, one at a time, as each engine takes
+# the machine's threads) and, beside them in a second pytest process, the other tests (TEST_WORKERS processes,
+# pytest-xdist; default 1): the engine tests keep about one core of the 2-core machine busy (load average 1.1-1.5
+# through them, 2026-12-07, AVX2), so the others run in the rest. Their output follows the engine tests' (it
+# is written to a file meanwhile, named at the start). With arguments, one pytest run of exactly those
+# (TEST_WORKERS processes where given).
 set -euo pipefail
 REPO=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
@@ -22,7 +23,7 @@ for pid in "${pids[@]}"; do
   wait "$pid" || { echo "error: an engine environment failed (its log is named above)" >&2; exit 1; }
 done
 trap - EXIT
-WORKERS=${TEST_WORKERS:-2}
+WORKERS=${TEST_WORKERS:-1}
 [[ "$WORKERS" =~ ^[0-9]+$ && "$WORKERS" -ge 1 ]] || { echo "error: TEST_WORKERS must be a number of processes (1 or more), got '$WORKERS'" >&2; exit 2; }
 PARALLEL=()
 if (( WORKERS > 1 )); then PARALLEL=(-n "$WORKERS" --dist load --maxschedchunk 1); fi
@@ -38,13 +39,22 @@ run_pytest() {  # pytest's exit status, with 5 (no test ran) turned into a failu
 }
 
 if [[ $# -gt 0 ]]; then
-  if [[ -z "${TEST_WORKERS:-}" ]]; then PARALLEL=(); fi
   run_pytest "${PARALLEL[@]}" "$@"
   exit $?
 fi
+OTHERS_LOG=$(mktemp -t engineprofiles-tests-others.XXXXXX)
+echo "== the engine tests, one at a time; beside them the other tests ($WORKERS process(es)), whose output" \
+     "follows (meanwhile in $OTHERS_LOG)" >&2
+run_pytest -m "not engine" "${PARALLEL[@]}" >"$OTHERS_LOG" 2>&1 &
+others=$!
+trap 'pkill -P "$others" 2>/dev/null; kill "$others" 2>/dev/null' EXIT  # an interrupted run leaves no tests behind
 rc=0
-echo "== phase 1/2: the engine tests (one at a time)" >&2
 run_pytest -m engine || rc=$?
-echo "== phase 2/2: the other tests ($WORKERS processes)" >&2
-run_pytest -m "not engine" "${PARALLEL[@]}" || rc=$?
+orc=0
+wait "$others" || orc=$?
+trap - EXIT
+echo "== the other tests (exit $orc):" >&2
+cat "$OTHERS_LOG"
+rm -f "$OTHERS_LOG"
+if [[ $rc -eq 0 ]]; then rc=$orc; fi
 exit $rc
