@@ -103,7 +103,7 @@ def _kept_with_capture(args: list[str]) -> list[str]:
 
 @pytest.fixture(scope="session")
 def op_level_probe(tmp_path_factory):
-    """``op_level_probe(engine, version)``: the profile file of ``probe-engine ENGINE --op-level`` run in that
+    """``op_level_probe(engine, version, *args)``: the profile file of ``probe-engine ENGINE --op-level *args`` run in that
     engine's environment on this machine, once per session (test_real_engines compares it with the shipped
     profile; test_check_engine uses it where the shipped one is of another vector ISA). Returns (process, path);
     the path exists only where the probe succeeded."""
@@ -111,14 +111,15 @@ def op_level_probe(tmp_path_factory):
 
     folder = _session_folder(tmp_path_factory)
 
-    def run(engine: str, version: str) -> tuple[subprocess.CompletedProcess, Path]:
+    def run(engine: str, version: str, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
         python = REPO / ".engines" / f"{engine}-{version}" / "bin" / "python"
-        out = folder / f"op-level-{engine}-{version}.yaml"
-        log = folder / f"op-level-{engine}-{version}.json"
+        key = hashlib.sha256(json.dumps(list(args)).encode()).hexdigest()[:8] if args else "all"
+        out = folder / f"op-level-{engine}-{version}-{key}.yaml"
+        log = folder / f"op-level-{engine}-{version}-{key}.json"
         with FileLock(str(out) + ".lock"):
             if not log.exists():
                 env = dict(os.environ, ENGINEPROFILES_REEXEC="1")
-                r = subprocess.run([str(python), "-m", "engineloop.cli", engine, "--op-level", "-o", str(out)],
+                r = subprocess.run([str(python), "-m", "engineloop.cli", engine, "--op-level", *args, "-o", str(out)],
                                    cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
                 log.write_text(json.dumps([r.args, r.returncode, r.stdout, r.stderr]))
             args, rc, stdout, stderr = json.loads(log.read_text())
