@@ -44,8 +44,15 @@ def describe(family: str, size: dict[str, int]) -> str:
 def self_check(engine: str, profile: Profile, family: str, *, seed: int, env: str | None, mode: str,
                note: Callable[[str], None] = lambda m: None) -> Profile:
     """``profile`` with ``provenance.self_check`` measured (see the module's docstring)."""
+    from emulator.patching.apply import check_attention_evidence
+
     from .mismatch import run_mismatch
 
+    try:  # exact mode refuses this fit (its attention is short of bitwise): no engine run for a self-check
+        check_attention_evidence(profile)
+    except EngineProfilesError as e:
+        note(f"self-check not run, the profile records none: {e}")
+        return profile
     size, prompt_len = draw_model(family, seed)
     note(f"self-check: the engine and exact mode on a model the fit never saw ({describe(family, size)}, "
          f"{prompt_len}-token prompts)")
