@@ -73,7 +73,7 @@ def test_region_moe_probes_the_moe_experts_alone(tmp_path):
 def test_transformers_probe_writes_the_hf_profile(tmp_path):
     r = cli.invoke(app, ["transformers", "--quick", "-o", str(tmp_path)], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
-    files = list(tmp_path.glob("transformers-*-cpu-eager-bfloat16.yaml"))
+    files = list(tmp_path.glob("transformers-*-cpu-eager-bfloat16*.yaml"))  # -avx2 where torch runs AVX2
     assert len(files) == 1
     data = yaml.safe_load(files[0].read_text())
     assert data["regions"]["swiglu"]["sites"] == {"silu": "rounded"}
