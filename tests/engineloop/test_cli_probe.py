@@ -184,9 +184,13 @@ def test_output_in_proc_is_refused_before_probing(monkeypatch):
 
 
 def _canonical_transformers_name():
+    """The name the transformers probe gives its profile here (schema.Profile.canonical_name: the CPU capability
+    in lower case where it is not AVX512)."""
+    import torch
     import transformers
 
-    return f"transformers-{transformers.__version__}-cpu-eager-bfloat16"
+    cap = torch.backends.cpu.get_cpu_capability()
+    return f"transformers-{transformers.__version__}-cpu-eager-bfloat16" + ("" if cap == "AVX512" else f"-{cap.lower()}")
 
 
 def test_a_fifo_in_the_output_folder_with_the_profiles_name_is_refused_and_stays(tmp_path):
