@@ -305,11 +305,12 @@ def _row_sum(p: torch.Tensor, how: str) -> torch.Tensor:
 
 def _dot_seq(a: torch.Tensor, b: torch.Tensor, fused: bool) -> torch.Tensor:
     """sum_k a[..., i, k] * b[..., k, j], sequential over k from 0, in FP32."""
+    if fused:
+        return portable.dot_fma(a, b)
     acc = torch.zeros(*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1],
                       dtype=torch.float32, device=a.device)
     for k in range(a.shape[-1]):
-        x, y = a[..., :, k:k + 1], b[..., k:k + 1, :]
-        acc = portable.fma(x, y, acc) if fused else acc + x * y
+        acc = acc + a[..., :, k:k + 1] * b[..., k:k + 1, :]
     return acc
 
 

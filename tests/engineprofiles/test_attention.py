@@ -91,6 +91,44 @@ def test_fma_passes_inf_and_nan_through():
     assert out[0] == float("inf") and out[1] == float("inf") and torch.isnan(out[2]) and out[3] == float("-inf")
 
 
+def _fma_chain(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    acc = torch.zeros(*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+    for k in range(a.shape[-1]):
+        acc = portable.fma(a[..., :, k:k + 1], b[..., k:k + 1, :], acc)
+    return acc
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dot_fma_is_the_chain_of_fmas_bit_for_bit_on_any_shape_and_on_midpoints_subnormals_zeros_inf_nan(seed):
+    """The attention reference's fused dot (portable.dot_fma, buffers reused) is portable.fma step by step:
+    random shapes (batch dims broadcast, K = 0 included), magnitudes down to FP32 subnormal products, operands on a
+    coarse grid (FP64 sums landing on FP32 midpoints), zero columns, inf and NaN."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    careful_met = 0
+    for trial in range(12):
+        nb, i, k, j = rng.randint(1, 3), rng.randint(1, 9), rng.choice((0, 1, rng.randint(2, 70))), rng.randint(1, 9)
+        scale = lambda *s: 2.0 ** torch.randint(-75, 6, s, generator=gen).float()  # noqa: E731
+        a = torch.randn(nb, i, k, generator=gen) * scale(nb, i, k)
+        b = torch.randn(rng.choice((1, nb)), k, j, generator=gen) * scale(1, k, j)
+        if trial % 3 == 0:  # coarse grids: exact products whose FP64 sums often sit on FP32 midpoints
+            a, b = (a * 64).round() / 64, (b * 2 ** 20).round() / 2 ** 24
+        if trial % 4 == 1 and k:
+            a[..., 0], b[..., -1, :] = 0.0, 0.0
+        if trial % 5 == 2 and k:
+            a[0, 0, 0], b[0, -1, 0] = float("inf"), float("nan")
+        got, want = portable.dot_fma(a, b), _fma_chain(a, b)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (seed, trial, a.shape, b.shape)
+        for kk in range(k):  # how many steps met the careful path (the test exercises it)
+            s = portable._fma_fast(a[..., :, kk:kk + 1], b[..., kk:kk + 1, :], torch.zeros(()))[1]
+            careful_met += int(s.any())
+    assert careful_met > 0
+    # a chain of separate multiplies and adds is not it (the comparison can tell)
+    a, b = torch.randn(2, 8, 64, generator=gen), torch.randn(2, 64, 8, generator=gen)
+    assert not torch.equal(portable.dot_fma(a, b), a @ b) and not torch.equal(
+        portable.dot_fma(a, b), torch.stack([sum(a[..., :, kk:kk + 1] * b[..., kk:kk + 1, :] for kk in range(64))]).squeeze(0))
+
+
 def test_poly5_exp_is_exact_at_zero_underflows_to_zero_and_stays_within_a_few_ulp():
     # (below about -86.6 the kernel's 2^(n-1) scale underflows its exponent field: 0, as in the kernel)
     x = torch.linspace(-86.0, 0.0, 20001)
