@@ -18,6 +18,7 @@ from engineprofiles.schema import Profile, load_profile
 from engineprofiles.store import get_profile, shipped_profiles
 
 from ..conftest import assert_as_the_tool_wrote_it
+from .envs import REGIONS_ONLY
 
 REPO = Path(__file__).resolve().parents[2]
 REAL = [
@@ -52,10 +53,8 @@ def test_real_engine_probe_agrees_with_the_shipped_profile(engine, version, ship
     old = get_profile(shipped)
     there = old.engine.settings.get("cpu_capability")
     # On another vector ISA than the shipped profile's no claim is made (below): the probe runs the regions only
-    # (the attention fit and the MoE experts took over 7 minutes of SGLang's probe on AVX2, 2026-12-07).
     other_isa = torch.backends.cpu.get_cpu_capability() != there
-    regions = [a for r in ("rope", "swiglu", "add_rmsnorm", "rmsnorm") for a in ("--region", r)] if other_isa else []
-    r, path = op_level_probe(engine, version, *regions)  # the session's op-level probe of this engine (shared)
+    r, path = op_level_probe(engine, version, *(REGIONS_ONLY if other_isa else []))  # the session's (shared)
     sys.stdout.write(r.stdout[-6000:])
     assert r.returncode == 0, f"probe-engine {engine} --op-level failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
     new = load_profile(path)

@@ -25,45 +25,22 @@ VERSION = "0.32.0"
 
 
 @pytest.mark.engine
-def test_rl_demo_updates_the_engine_and_exact_mode_tracks_it(tmp_path):
-    require_env("vllm", VERSION)
-    out, png = tmp_path / "rl.json", tmp_path / "rl.png"
-    r = subprocess.run([sys.executable, "scripts/rl_demo.py", "--steps", "2", "--lr", "1e-2", "--json", str(out),
-                        "--plot", str(png)], cwd=REPO, capture_output=True, text=True, timeout=1200,
-                       env=dict(os.environ))
-    sys.stdout.write(r.stdout[-3000:] + r.stderr[-3000:])
-    assert r.returncode == 0, r.stderr[-3000:]
-    d = json.loads(out.read_text())
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    steps = d["steps"]
-    assert len(steps) == 2 and set(steps[0]["setups"]) == {"as-is", "profile", "exact"}
-    assert d["exact_kernels"] == "portable"  # auto, where vLLM is not importable: the reference
-    for s in steps:
-        assert s["setups"]["exact"]["k3_kl"] <= s["setups"]["profile"]["k3_kl"]
-    # the demo says when its profile does not describe this machine, and claims exactness only where it does
-    assert bool(d["other_machine"]) == bool(machine_differences(d["profile"])), d["other_machine"]
-    if not d["other_machine"]:
-        # Step 2 samples after the first update: with the engine still on the old weights the
-        # updated trainer could not match its log-probs.
-        assert steps[1]["setups"]["exact"]["exact_match"] == 1.0, steps[1]
-        assert steps[0]["setups"]["exact"]["exact_match"] == 1.0, steps[0]
-    else:
-        warnings.warn(f"exact mode's bit-equality is not claimed on this machine: {d['other_machine']}", stacklevel=1)
-
-
-@pytest.mark.engine
-def test_rl_demo_with_long_prompts_scores_the_engines_batched_split_decode(tmp_path):
-    """150-token prompts: vLLM's CPU attention (split-KV on by default, 2+ threads) splits the decode
-    contexts across its threads, planned for each step's whole batch of 8 rollouts. The demo's exact
-    setup splits them as the engine did, the rollout batch scored as sampled together
-    (emulator.as_sampled with completion lengths), with gradients on (it trains in exact mode): every
-    sampled token's log-prob is the engine's (2026-12-05, AVX512, 2 threads: 128/128 in both steps).
-    Run by the vLLM environment's python with --kernels engine: exact mode's attention is vLLM's own kernel,
-    called for every engine step of the rollout batch (the portable reference's demo: the test above)."""
+def test_rl_demo_updates_the_engine_and_exact_mode_scores_its_batched_split_decode(tmp_path):
+    """Two steps; after the first update the engine samples with the new weights (step 2's exact match: with
+    the old weights in the engine the updated trainer could not reproduce its log-probs). 150-token prompts:
+    vLLM's CPU attention (split-KV on by default, 2+ threads) splits the decode contexts across its threads,
+    planned for each step's whole batch of 8 rollouts. The demo's exact setup splits them as the engine did,
+    the rollout batch scored as sampled together (emulator.as_sampled with completion lengths), with gradients
+    on (it trains in exact mode): every sampled token's log-prob is the engine's (2026-12-05, AVX512, 2
+    threads: 128/128 in both steps). Run by the vLLM environment's python with --kernels engine: exact mode's
+    attention is vLLM's own kernel, called for every engine step of the rollout batch. (The demo with the
+    portable reference and 12-token prompts was a second engine run, dropped to fit CI (docs/development.md):
+    exact mode's portable rows of a batched split decode are test_exact_mode.py's, auto's fallback
+    test_exact.py's.)"""
     from engineloop.mismatch import default_profile_name
 
     env = require_env("vllm", VERSION)
-    out = tmp_path / "rl.json"
+    out, png = tmp_path / "rl.json", tmp_path / "rl.png"
     # on a machine the profile does not describe (vLLM's amx attention, say) the engine's kernel is not the
     # profile's and kernels="engine" is refused: the demo then measures with the reference (no claim)
     here = not machine_differences(default_profile_name("vllm", VERSION, "default"))
@@ -75,6 +52,16 @@ def test_rl_demo_with_long_prompts_scores_the_engines_batched_split_decode(tmp_p
     sys.stdout.write(r.stdout[-3000:] + r.stderr[-3000:])
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads(out.read_text())
+    from engineloop.rl import plot  # --plot's drawing, here: the vLLM environment has no matplotlib
+
+    plot(d, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    steps = d["steps"]
+    assert len(steps) == 2 and set(steps[0]["setups"]) == {"as-is", "profile", "exact"}
+    for s in steps:
+        assert s["setups"]["exact"]["k3_kl"] <= s["setups"]["profile"]["k3_kl"]
+    # the demo says when its profile does not describe this machine, and claims exactness only where it does
+    assert bool(d["other_machine"]) == bool(machine_differences(d["profile"])), d["other_machine"]
     att = d["engine"]["attention"]
     assert att["split_kv"] is True, att
     if att["torch_threads"] < 2:
@@ -83,5 +70,5 @@ def test_rl_demo_with_long_prompts_scores_the_engines_batched_split_decode(tmp_p
     if d["other_machine"]:
         warnings.warn(f"exact mode's bit-equality is not claimed on this machine: {d['other_machine']}", stacklevel=1)
         return
-    for s in d["steps"]:
+    for s in steps:  # step 2 samples after the first update
         assert s["setups"]["exact"]["exact_match"] == 1.0 and s["setups"]["exact"]["abs_dlogp_max"] == 0.0, s
