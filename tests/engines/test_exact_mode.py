@@ -92,11 +92,11 @@ def _refused_without_the_blocks_entries(family: str, mode: str) -> bool:
 # residual stream's BF16 pieces (a 32-lane sum of squares) or a realized FP32 sum (16 lanes); exact mode
 # compiles the trainer's stack as one graph for that reason. Before it did (norms compiled one at a time),
 # these rows were 36-61% (docs/mismatch.md), so this test fails where the stack's graph is not the engine's.
-# The wide model: Qwen3 (q/k norms feeding RoPE), heads of 128, GQA 4, 4 layers, 200-token prompts, run with vLLM's
+# The wide model: Qwen3 (q/k norms feeding RoPE), heads of 128, GQA 2, 4 layers, 200-token prompts, run with vLLM's
 # default split-KV (test_exact_mode_splits_attention_as_vllms_default_split_kv_decode; its prefill row is the plain
 # wide claim). A wide Qwen2 at Qwen2-0.5B's widths: the decoding test below. (The wide Qwen3 with split-KV off was a
 # third engine run of a wide model: dropped to fit CI, docs/development.md.)
-WIDE_QWEN3 = ["--family", "qwen3", "--heads", "8", "--kv-heads", "2", "--head-dim", "128"]
+WIDE_QWEN3 = ["--family", "qwen3", "--heads", "4", "--kv-heads", "2", "--head-dim", "128"]
 
 
 @pytest.mark.engine
