@@ -26,6 +26,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # plain text: a docstring's paragraphs are re-flowed to the terminal's width (rich mode keeps their line
+    # breaks, which an 80-column terminal then wraps again mid-line), and brackets are printed as written
+    rich_markup_mode=None,
 )
 # Every string these consoles print goes through engineprofiles.text.printable: a profile's or a
 # capture's strings (and error messages quoting them) never drive the terminal.
