@@ -11,16 +11,18 @@ set -euo pipefail
 REPO=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
 # Real engines are probed by tests/engines: their environments are part of the set-up (every engine
-# version a shipped profile names: the patched trainer is checked against each). The four environments
-# are made side by side (each says its steps on stderr, prefixed with its name); any failure stops here.
+# version a shipped profile names: the patched trainer is checked against each), and TRL's
+# (tests/integrations runs GRPO steps in it). The five environments are made side by side (each says its
+# steps on stderr, prefixed with its name); any failure stops here.
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null' EXIT  # a failure here leaves no build running behind
 scripts/engine_env.sh vllm 0.32.0 >/dev/null & pids+=($!)
 scripts/engine_env.sh vllm 0.28.0 >/dev/null & pids+=($!)
 scripts/engine_env.sh sglang 0.5.23 >/dev/null & pids+=($!)
+scripts/framework_env.sh trl 1.13.0 >/dev/null & pids+=($!)
 PY=$(scripts/dev_env.sh)
 for pid in "${pids[@]}"; do
-  wait "$pid" || { echo "error: an engine environment failed (its log is named above)" >&2; exit 1; }
+  wait "$pid" || { echo "error: an engine or framework environment failed (its log is named above)" >&2; exit 1; }
 done
 trap - EXIT
 WORKERS=${TEST_WORKERS:-1}

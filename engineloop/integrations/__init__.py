@@ -1,0 +1,1 @@
+"""Integrations with the RL frameworks users train with (TRL; see docs/frameworks.md)."""
