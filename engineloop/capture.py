@@ -216,7 +216,7 @@ def capture_vllm(model_dir: str, prompts: list[list[int]], max_tokens: int, seed
     # One sequence at a time; the batch check needs room for every sequence in one batch.
     max_num_seqs = batch_slots(len(prompts)) if batch_check else 1
     llm = LLM(model=content_addressed(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
-              distributed_executor_backend="uni", max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs, seed=seed,
+              distributed_executor_backend="uni", max_model_len=context_length(model_dir), max_num_seqs=max_num_seqs, seed=seed,
               **kw)
     _log(f"vLLM {vllm.__version__} engine up in {time.perf_counter() - t0:.1f}s")
 
@@ -329,6 +329,23 @@ def _vllm_sequence(llm, state: dict[str, Any], prompt: list[int], j: int, n_prom
 # engineloop.mismatch.batch_invariance compares them.
 
 MAX_MODEL_LEN = 512
+
+
+def context_length(model_dir: str) -> int:
+    """The engine's context for the model in ``model_dir``: :data:`MAX_MODEL_LEN`, or the model's own
+    ``max_position_embeddings`` where that is shorter (vLLM refuses a longer max_model_len)."""
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        limit = json.load(f).get("max_position_embeddings")
+    return min(MAX_MODEL_LEN, limit) if isinstance(limit, int) and limit > 0 else MAX_MODEL_LEN
+
+
+def longest_sequence(prompt_len: int, prompts: int, max_tokens: int, batch_check: bool) -> int:
+    """The longest sequence a capture runs: the longest prompt (:func:`prompts_for`) and its completion, or, with
+    the batch check, the unrelated neighbour it puts beside the sequences (:func:`neighbour`)."""
+    longest = prompt_len + min(4, prompts - 1) + max_tokens
+    return min(2 * longest + 7, MAX_MODEL_LEN - 2) if batch_check else longest
 
 
 def batch_slots(n_prompts: int) -> int:
@@ -551,7 +568,7 @@ def capture_sglang(model_dir: str, prompts: list[list[int]], max_tokens: int, se
              dict(name="engineprofiles-hidden", target_modules=SGLANG_LOGITS_TARGETS,
                   hook_factory="engineloop.capture:sglang_logits_hook", config={"dir": folder})]
     kw: dict[str, Any] = dict(model_path=model_dir, device="cpu", skip_tokenizer_init=True, dtype="bfloat16",
-                              random_seed=seed, context_length=MAX_MODEL_LEN,
+                              random_seed=seed, context_length=context_length(model_dir),
                               max_running_requests=batch_slots(len(prompts)) if batch_check else 1,
                               disable_radix_cache=True,
                               mem_fraction_static=0.05, forward_hooks=hooks, log_level="info")

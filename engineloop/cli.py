@@ -352,10 +352,17 @@ def _report_check(outcomes: list, engine: str, version: str, installed: Optional
         _say(out, o.verdict(), "green" if o.exit_code == 0 else "red bold")
 
 
+FAMILY_HELP = f"tiny model family: {', '.join(FAMILY_NAMES)} (default qwen2; with --model: the checkpoint's)"
+MODEL_HELP = ("a local Hugging Face checkpoint folder (config.json and weights of a supported family's causal LM) to run "
+              "instead of the tiny model: the engine loads it where it is, the trainer in BF16; prompts of random token "
+              "ids from its vocabulary (--prompts, --prompt-len, --seed); the tiny model's size options do not apply")
+
+
 @app.command()
 def mismatch(
     engine: str = typer.Argument("vllm", help=f"engine that samples: {' or '.join(engines.loop_engines())}"),
-    family: str = typer.Option("qwen2", help=f"tiny model family: {', '.join(FAMILY_NAMES)}"),
+    family: Optional[str] = typer.Option(None, help=FAMILY_HELP),
+    model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
     profile: Optional[str] = typer.Option(None, help="profile to apply (default: the shipped one of the engine)"),
     prompts: int = typer.Option(4, help="number of prompts"),
     max_tokens: int = typer.Option(16, help="tokens sampled per prompt"),
@@ -398,17 +405,18 @@ def mismatch(
                                 "portable (the reference the probe fits), auto (the engine's kernel where it loads and "
                                 "is the one the profile records, else the reference)"),
 ) -> None:
-    """Sample with the real engine on a tiny local model, recompute the log-probs in the HF trainer
-    as-is, with the profile, with each region of the profile alone and (--exact) in exact mode
-    (re-scored in one prefill, and the sampled tokens also decoded one at a time as the engine did);
-    print the mismatch metrics (exact-match fraction first). --batch-check adds whether the engine's
-    own log-probs are batch-invariant (with --exact, also exact mode against its batched decode runs)."""
-    import time
+    """Sample with the real engine on a tiny local model (or --model, your own checkpoint), recompute the
+    log-probs in the HF trainer as-is, with the profile, with each region alone and (--exact) in exact mode
+    (re-scored in one prefill, and the sampled tokens also decoded one at a time as the engine did); print
+    the mismatch metrics (exact-match fraction first). --batch-check adds whether the engine's own log-probs
+    are batch-invariant (with --exact, also exact mode against its batched decode runs)."""
+    import shlex, sys, time  # noqa: E401
 
     from . import tables
 
     size = _size(layers, hidden, intermediate, heads, kv_heads, head_dim)
     try:  # everything that can be checked is checked before the engine runs (minutes)
+        family = _loop_family(family, model, size, rope_scaling)
         _check_mismatch_options(engine, family, size, capture=capture, save_capture=save_capture, prompts=prompts,
                                 max_tokens=max_tokens, prompt_len=prompt_len, mode=mode, json_out=json_out, plot=plot,
                                 profile=profile, seed=seed, rope_scaling=rope_scaling, exact=exact,
@@ -422,13 +430,10 @@ def mismatch(
         rep = run_mismatch(engine, family=family, profile=profile, prompts=prompts, max_tokens=max_tokens, seed=seed,
                            env=env, capture_file=capture, mode=mode, exact=exact, size=size, prompt_len=prompt_len,
                            save_capture=save_capture, batch_check=batch_check, rope_scaling=rope_scaling,
-                           allow_other_machine=allow_other_machine, kernels=kernels,
+                           allow_other_machine=allow_other_machine, kernels=kernels, model_path=model,
                            note=lambda m: _say(err, f"  [{time.perf_counter() - t0:6.1f}s] {m}"))
     except EngineProfilesError as e:
         _fail(e)
-    import shlex
-    import sys
-
     rep.command = os.environ.get("ENGINEPROFILES_COMMAND") or shlex.join(["probe-engine", *sys.argv[1:]])
     _print_fitted(err if "-" in (json_out, plot) else out,  # stdout: the JSON or PNG alone
                   tables.mismatch_table(rep), tables.mismatch_table(rep, narrow=True))
@@ -514,6 +519,18 @@ def _size(layers, hidden, intermediate, heads, kv_heads, head_dim) -> dict[str, 
                               ("num_key_value_heads", kv_heads), ("head_dim", head_dim)) if v is not None}
 
 
+def _loop_family(family: Optional[str], model: Optional[str], size: dict[str, int], rope_scaling) -> str:
+    """The family of an engine-in-the-loop run: the checkpoint's with --model (checked: a checkpoint folder of a
+    supported family; the tiny model's options refused), else --family or qwen2."""
+    from .checkpoint import resolve_family
+
+    if model is not None and (size or rope_scaling):
+        given = [f"--{k}" for k, v in (("layers/--hidden/... (model size)", size), ("rope-scaling", rope_scaling)) if v]
+        raise EngineProfilesError(f"--model runs the checkpoint as it is: {' and '.join(given)} apply to the tiny "
+                                  "model only; leave them out")
+    return resolve_family(family, model)
+
+
 def _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out,
                         plot=None, profile=None, seed=0, rope_scaling=None) -> None:
     """The options of the engine-in-the-loop commands that need no engine: checked before it starts; the
@@ -579,7 +596,8 @@ def _check_profile_option(profile: Optional[str], engine: str, *, exact: bool, c
 @app.command()
 def localize(
     engine: str = typer.Argument("vllm", help=f"engine to compare with: {', '.join(engines.localize_engines())}"),
-    family: str = typer.Option("qwen2", help=f"tiny model family: {', '.join(FAMILY_NAMES)}"),
+    family: Optional[str] = typer.Option(None, help=FAMILY_HELP),
+    model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
     trainer: list[str] = typer.Option(["as-is", "profile"], help="trainer(s) to localize: as-is (unpatched), profile "
                                       "(the engine's profile applied), exact (exact=True); repeat the option for several"),
     profile: Optional[str] = typer.Option(None, help="the engine's profile (default: its shipped one for the capture's "
@@ -605,8 +623,8 @@ def localize(
     rope_scaling: Optional[str] = typer.Option(
         None, help="tiny model's RoPE scaling (default: none): llama3, linear, yarn or dynamic, as for mismatch"),
 ) -> None:
-    """Run the engine and the trainer on the same tiny model and name the first tensor whose bits
-    differ (residual stream, norm outputs, q/k/v, attention output, MLP output, final norm,
+    """Run the engine and the trainer on the same tiny model (or --model, your own checkpoint) and
+    name the first tensor whose bits differ (residual stream, norm outputs, q/k/v, attention output, MLP output, final norm,
     log-probs), the match rate at each, and which profile change (a lattice neighbour of a region,
     or exact mode) would remove it. Exit 0 when it ran, whatever it found; 2 on bad input."""
     import json
@@ -624,6 +642,7 @@ def localize(
                                   f"got {engine!r}"))
     size = _size(layers, hidden, intermediate, heads, kv_heads, head_dim)
     try:
+        family = _loop_family(family, model, size, rope_scaling)
         _check_loop_options(family, size, capture, save_capture, prompts, max_tokens, prompt_len, mode, json_out,
                             profile=profile, seed=seed, rope_scaling=rope_scaling)
         from .localize import TRAINERS
@@ -642,7 +661,7 @@ def localize(
         rep = run_localize(engine, family=family, trainers=tuple(dict.fromkeys(trainer)), profile=profile,
                            prompts=prompts, max_tokens=max_tokens, seed=seed, env=env, capture_file=capture,
                            save_capture=save_capture, mode=mode, size=size, prompt_len=prompt_len,
-                           try_fixes=not no_fixes, rope_scaling=rope_scaling, note=lambda m: _say(err, f"  [{time.perf_counter() - t0:6.1f}s] {m}"))
+                           try_fixes=not no_fixes, rope_scaling=rope_scaling, model_path=model, note=lambda m: _say(err, f"  [{time.perf_counter() - t0:6.1f}s] {m}"))
     except EngineProfilesError as e:
         _fail(e)
     rep.command = os.environ.get("ENGINEPROFILES_COMMAND") or shlex.join(["probe-engine", *sys.argv[1:]])

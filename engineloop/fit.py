@@ -452,6 +452,9 @@ def in_situ_pairs(engine: str, families: list[str], captures: list[str], *, seed
     pairs = []
     for i, family in enumerate(families):
         cap = caps[i] if caps else None
+        if cap is not None and cap.get("checkpoint"):
+            raise EngineProfilesError(f"{captures[i]} was captured on the checkpoint {cap['checkpoint'].get('path')} "
+                                      "(mismatch/localize --model); the in-situ fit runs on the tool's tiny models")
         if cap is not None and cap.get("family", family) != family:
             raise EngineProfilesError(f"{captures[i]} was captured on a {cap['family']} model, not {family}")
         if cap is not None and cap.get("rope_scaling") != rope_scaling:

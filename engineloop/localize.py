@@ -383,7 +383,7 @@ def run_localize(engine: str = "vllm", *, family: str = "qwen2", trainers: tuple
                  env: str | None = None, capture_file: str | None = None, save_capture: str | None = None,
                  mode: str = "default", size: dict[str, int] | None = None, prompt_len: int = 12,
                  note: Callable[[str], None] = lambda m: None, try_fixes: bool = True,
-                 rope_scaling: str | None = None) -> LocalizeReport:
+                 rope_scaling: str | None = None, model_path: str | None = None) -> LocalizeReport:
     from .mismatch import engine_profile, model_and_capture, model_fields, trainer_profile_name
     from engineprofiles.store import get_profile
 
@@ -393,12 +393,12 @@ def run_localize(engine: str = "vllm", *, family: str = "qwen2", trainers: tuple
     model, cap = model_and_capture(engine, family, size=size, capture_file=capture_file, save_capture=save_capture,
                                    prompts=prompts, max_tokens=max_tokens, seed=seed, env=env, workdir=None,
                                    note=note, mode=mode, prompt_len=prompt_len, rope_scaling=rope_scaling,
-                                   what="probe-engine localize (the trainer side: HF models patched by the emulator)")
+                                   model_path=model_path, what="probe-engine localize (the trainer side: HF models patched by the emulator)")
     prof_name, prof, warnings = engine_profile(engine, cap, profile, capture_file=capture_file, mode=mode,
                                                exact="exact" in trainers)
     tname = trainer_profile_name()
     rep = LocalizeReport(engine=cap["engine"], family=family, profile_name=prof_name, trainer_profile_name=tname,
-                         model=model_fields(model), warnings=warnings)
+                         model=model_fields(model, cap), warnings=warnings)
     if prof.available("attention"):
         from .mismatch import machine_differences
 

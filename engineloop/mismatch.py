@@ -31,6 +31,8 @@ from engineprofiles.regions.attention import KVSplit, split_merge
 from engineprofiles.schema import Profile, with_points
 from engineprofiles.store import get_profile, shipped_names
 
+from .checkpoint import LOGPROB_SEMANTICS
+
 # The residual RMSNorm region covers both call forms.
 # One region at a time from the engine's profile, the rest the trainer's; an MoE family adds its
 # experts (moe) as one more row, and a family with a shared expert (Qwen2-MoE) its shared expert.
@@ -63,11 +65,13 @@ class Report:
     batch_check: dict[str, Any] | None = None
     # --exact: which attention the exact rows ran: "engine" (the engine's own kernel) or "portable" (the reference)
     exact_kernels: str | None = None
+    # What the engine's log-probs are (raw or processed, temperature): engineloop.checkpoint.LOGPROB_SEMANTICS
+    logprobs: str = LOGPROB_SEMANTICS
 
     def as_dict(self) -> dict[str, Any]:
         return dict(engine=self.engine, family=self.family, profile=self.profile_name,
                     trainer_profile=self.trainer_profile_name, warnings=self.warnings, model=self.model,
-                    prompt_len=self.prompt_len, command=self.command,
+                    prompt_len=self.prompt_len, command=self.command, engine_logprobs=self.logprobs,
                     engine_decode_equals_prefill=self.engine_decode_equals_prefill,
                     **({"batch_check": self.batch_check} if self.batch_check is not None else {}),
                     **({"exact_kernels": self.exact_kernels} if self.exact_kernels is not None else {}),
@@ -294,7 +298,7 @@ def run_capture(engine: str, model_dir: Path, out: Path, *, prompts: int, max_to
     timeout = _capture_timeout()
     # Inside the engine's own environment (scripts/probe.sh runs there) capture with this python.
     py = Path(sys.executable) if (runner.engine_importable(engine) and env is None) else runner.find_engine_python(engine, env)
-    note(f"running {engine} from {py.parent.parent.name} on the tiny model (engine start-up takes minutes)")
+    note(f"running {engine} from {py.parent.parent.name} on {model_dir.name} (engine start-up takes minutes)")
     cmd = [str(py), "-m", "engineloop.capture", engine, "--model", str(model_dir), "--out", str(out),
            "--prompts", str(prompts), "--max-tokens", str(max_tokens), "--seed", str(seed), "--mode", mode,
            "--prompt-len", str(prompt_len)] + (["--batch-check"] if batch_check else [])
@@ -346,10 +350,12 @@ MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "no
 SHARED_EXPERT_FIELDS = ("shared_expert_intermediate_size",)
 
 
-def model_fields(model: Any) -> dict[str, Any]:
-    """The tiny model's size (:data:`SIZE_FIELDS`), an MoE model's experts (:data:`MOE_FIELDS`) and,
-    when its RoPE is scaled, its rope_parameters."""
-    out: dict[str, Any] = {k: getattr(model.config, k) for k in SIZE_FIELDS}
+def model_fields(model: Any, cap: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The model's size (:data:`SIZE_FIELDS`), an MoE model's experts (:data:`MOE_FIELDS`) and,
+    when its RoPE is scaled, its rope_parameters; ``checkpoint``, the folder, where the capture ran one."""
+    out: dict[str, Any] = {k: getattr(model.config, k, None) for k in SIZE_FIELDS}
+    if cap is not None and cap.get("checkpoint"):
+        out = {"checkpoint": cap["checkpoint"]["path"], **out}
     if getattr(model.config, "num_experts", None):
         out.update({k: getattr(model.config, k) for k in MOE_FIELDS})
         out.update({k: getattr(model.config, k) for k in SHARED_EXPERT_FIELDS if hasattr(model.config, k)})
@@ -359,15 +365,9 @@ def model_fields(model: Any) -> dict[str, Any]:
     return out
 
 
-def model_and_capture(engine: str, family: str, *, size: dict[str, int] | None, capture_file: str | None,
-                      save_capture: str | None, prompts: int, max_tokens: int, seed: int, env: str | None,
-                      workdir: str | None, note: Callable[[str], None], mode: str, prompt_len: int,
-                      what: str = "the mismatch run (the trainer side: HF models patched by the emulator)",
-                      batch_check: bool = False, rope_scaling: str | None = None):
-    """The tiny trainer model and the engine's capture on the same weights: a capture file's (its
-    recorded size, family and RoPE scaling checked against the options), or a new engine run (kept in
-    ``save_capture``). What ``probe-engine mismatch`` and ``localize`` start from. ``rope_scaling``:
-    the tiny model's RoPE scaling (engineprofiles.models.ROPE_SCALINGS; None: default RoPE)."""
+def _check_model_options(family: str, size: dict[str, int] | None, rope_scaling: str | None, mode: str,
+                         model_path: str | None) -> dict[str, int]:
+    """The model options of an engine-in-the-loop run, checked; the tiny model's size overrides."""
     if family not in FAMILIES:
         raise EngineProfilesError(f"unknown model family {family!r}; families: {', '.join(FAMILIES)}")
     if rope_scaling is not None:
@@ -383,35 +383,86 @@ def model_and_capture(engine: str, family: str, *, size: dict[str, int] | None, 
             raise EngineProfilesError(
                 f"qwen2: head_dim {size['head_dim']} x {heads} heads != hidden {hidden}; vLLM's Qwen2 derives the head "
                 "dim from hidden / heads, so the engine would run another model: make them agree")
+    if model_path is not None and (size or rope_scaling):
+        raise EngineProfilesError("--model runs the checkpoint as it is: the tiny model's size and --rope-scaling "
+                                  "options do not apply")
+    return size
+
+
+def _check_capture(cap: dict[str, Any], capture_file: str, *, size: dict[str, int], family: str,
+                   rope_scaling: str | None, batch_check: bool, model_path: str | None) -> dict[str, int]:
+    """A capture file checked against the run's options (its model: the tiny model's size, family, RoPE
+    scaling, or the checkpoint; its batch check); the size it was captured at."""
+    from . import checkpoint
+
+    recorded = cap.get("checkpoint")
+    if recorded is not None and model_path is None:
+        raise EngineProfilesError(f"{capture_file} was captured on the checkpoint {recorded.get('path')}: pass "
+                                  "--model with that folder")
+    if model_path is not None and recorded is None:
+        raise EngineProfilesError(f"{capture_file} was captured on the tool's tiny model, not a checkpoint: leave "
+                                  "--model out")
+    if model_path is not None and not checkpoint.same_checkpoint(recorded, model_path):
+        raise EngineProfilesError(f"{capture_file} was captured on another checkpoint ({recorded.get('path')}: "
+                                  f"its config or weight files differ from {model_path}'s)")
+    recorded = cap.get("model_size")
+    if recorded is not None:
+        if size and size != recorded:
+            raise EngineProfilesError(f"{capture_file} was captured on a model of size {recorded}; the size options "
+                                      f"ask for {size}: leave them out with --capture")
+        size = dict(recorded)
+    if cap.get("family", family) != family:
+        raise EngineProfilesError(f"{capture_file} was captured on a {cap['family']} model, not {family}")
+    if cap.get("rope_scaling") != rope_scaling:
+        got, want = (f"RoPE scaling {x}" if x else "default RoPE" for x in (cap.get("rope_scaling"), rope_scaling))
+        raise EngineProfilesError(f"{capture_file} was captured on a model with {got}, not {want}")
+    if batch_check and "batch_check" not in cap:
+        raise EngineProfilesError(f"{capture_file} holds no batch check: capture it with --batch-check "
+                                  "(probe-engine mismatch ... --batch-check --save-capture FILE)")
+    return size
+
+
+def model_and_capture(engine: str, family: str, *, size: dict[str, int] | None, capture_file: str | None,
+                      save_capture: str | None, prompts: int, max_tokens: int, seed: int, env: str | None,
+                      workdir: str | None, note: Callable[[str], None], mode: str, prompt_len: int,
+                      what: str = "the mismatch run (the trainer side: HF models patched by the emulator)",
+                      batch_check: bool = False, rope_scaling: str | None = None, model_path: str | None = None):
+    """The tiny trainer model and the engine's capture on the same weights: a capture file's (its
+    recorded size, family and RoPE scaling checked against the options), or a new engine run (kept in
+    ``save_capture``). What ``probe-engine mismatch`` and ``localize`` start from. ``rope_scaling``:
+    the tiny model's RoPE scaling (engineprofiles.models.ROPE_SCALINGS; None: default RoPE). ``model_path``:
+    a checkpoint folder instead of the tiny model (engineloop.checkpoint; ``family`` must be its family)."""
+    size = _check_model_options(family, size, rope_scaling, mode, model_path)
     require("insitu", what)
     from engineprofiles.models import tiny_model
 
+    from . import checkpoint
+
     if capture_file:
         cap = load_capture(capture_file)
-        recorded = cap.get("model_size")
-        if recorded is not None:
-            if size and size != recorded:
-                raise EngineProfilesError(f"{capture_file} was captured on a model of size {recorded}; the size options "
-                                          f"ask for {size}: leave them out with --capture")
-            size = dict(recorded)
-        if cap.get("family", family) != family:
-            raise EngineProfilesError(f"{capture_file} was captured on a {cap['family']} model, not {family}")
-        if cap.get("rope_scaling") != rope_scaling:
-            got, want = (f"RoPE scaling {x}" if x else "default RoPE" for x in (cap.get("rope_scaling"), rope_scaling))
-            raise EngineProfilesError(f"{capture_file} was captured on a model with {got}, not {want}")
-        if batch_check and "batch_check" not in cap:
-            raise EngineProfilesError(f"{capture_file} holds no batch check: capture it with --batch-check "
-                                      "(probe-engine mismatch ... --batch-check --save-capture FILE)")
-    model = tiny_model(family, seed=seed, rope_scaling=rope_scaling, **size).eval()
+        size = _check_capture(cap, capture_file, size=size, family=family, rope_scaling=rope_scaling,
+                              batch_check=batch_check, model_path=model_path)
+    if model_path is not None:
+        if not capture_file:
+            checkpoint.check_context(model_path, prompt_len=prompt_len, prompts=prompts, max_tokens=max_tokens,
+                                     batch_check=batch_check)
+        model = checkpoint.load_checkpoint(model_path)
+    else:
+        model = tiny_model(family, seed=seed, rope_scaling=rope_scaling, **size).eval()
     if not capture_file:
         with tempfile.TemporaryDirectory() as tmp:
             wd = Path(workdir or tmp)
-            model_dir = wd / f"tiny-{family}"
-            save_model(model, model_dir)
+            if model_path is not None:  # the engine loads the checkpoint where it is
+                model_dir = Path(model_path).resolve()
+            else:
+                model_dir = wd / f"tiny-{family}"
+                save_model(model, model_dir)
             cap = run_capture(engine, model_dir, wd / "capture.pt", prompts=prompts, max_tokens=max_tokens,
                               seed=seed, env=env, note=note, mode="eager" if mode == "eager" else "default",
                               prompt_len=prompt_len, batch_check=batch_check)
             cap["model_size"], cap["family"], cap["rope_scaling"] = size, family, rope_scaling
+            if model_path is not None:
+                cap["checkpoint"] = checkpoint.fingerprint(model_path)
             if workdir:
                 torch.save(cap, wd / "capture.pt")  # with the model's size, for --capture
         if save_capture:
@@ -537,19 +588,20 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
                  capture_file: str | None = None, note: Callable[[str], None] = lambda m: None,
                  mode: str = "default", exact: bool = False, size: dict[str, int] | None = None,
                  prompt_len: int = 12, save_capture: str | None = None, batch_check: bool = False,
-                 rope_scaling: str | None = None, allow_other_machine: bool = False, kernels: str = "auto") -> Report:
-    """``mode``: the engine's default (vLLM on CPU: compiled) or ``eager`` (enforce_eager).
-    ``exact``: add the ``exact`` rows (apply_profile(..., exact=True)). ``size``: tiny_model
-    overrides (:data:`SIZE_FIELDS`); ``prompt_len``: length of the first prompt. ``batch_check``:
-    the engine also scores the sequences in other batch compositions (:func:`batch_invariance`).
-    ``rope_scaling``: the tiny model's RoPE scaling (engineprofiles.models.ROPE_SCALINGS).
-    ``allow_other_machine``: compute the exact rows although the profile's machine is not the one the
-    engine or the trainer ran on (:func:`check_machine`; refused otherwise). ``kernels``: exact mode's attention
-    (apply_profile's option: the engine's own kernel where this process imports it, or the portable reference)."""
+                 rope_scaling: str | None = None, allow_other_machine: bool = False, kernels: str = "auto",
+                 model_path: str | None = None) -> Report:
+    """``mode``: the engine's default (vLLM on CPU: compiled) or ``eager`` (enforce_eager). ``exact``: add the
+    ``exact`` rows (apply_profile(..., exact=True)). ``size``: tiny_model overrides (:data:`SIZE_FIELDS`);
+    ``prompt_len``: length of the first prompt. ``batch_check``: the engine also scores the sequences in other batch
+    compositions (:func:`batch_invariance`). ``rope_scaling``: the tiny model's RoPE scaling (ROPE_SCALINGS).
+    ``allow_other_machine``: compute the exact rows although the profile's machine is not the one the engine or the
+    trainer ran on (:func:`check_machine`; refused otherwise). ``kernels``: exact mode's attention (apply_profile's
+    option: the engine's own kernel where this process imports it, or the portable reference). ``model_path``: a
+    checkpoint folder instead of the tiny model (engineloop.checkpoint)."""
     model, cap = model_and_capture(engine, family, size=size, capture_file=capture_file, save_capture=save_capture,
                                    prompts=prompts, max_tokens=max_tokens, seed=seed, env=env, workdir=workdir,
                                    note=note, mode=mode, prompt_len=prompt_len, batch_check=batch_check,
-                                   rope_scaling=rope_scaling)
+                                   rope_scaling=rope_scaling, model_path=model_path)
 
     eng = cap["engine"]
     prof_name, prof, warnings = engine_profile(engine, cap, profile, capture_file=capture_file, mode=mode, exact=exact)
@@ -559,7 +611,7 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     if exact:
         warnings += check_machine(eng, prof, allow_other_machine)
     report = Report(engine=eng, family=family, profile_name=prof_name, trainer_profile_name=tname, warnings=warnings,
-                    model=model_fields(model), prompt_len=len(cap["sequences"][0]["prompt"]))
+                    model=model_fields(model, cap), prompt_len=len(cap["sequences"][0]["prompt"]))
     variants: list[tuple[str, Profile | None, bool]] = [("as-is", None, False), ("+ engine profile", prof, False)]
     ablations = dict(ABLATIONS, **({"moe": ("moe",)} if FAMILIES[family].moe else {}),
                      **({"shared_expert": ("shared_expert",)} if FAMILIES[family].shared_expert else {}))

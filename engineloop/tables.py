@@ -42,6 +42,8 @@ def mismatch_table(rep, narrow: bool = False) -> Group:
     if m:
         head.append("model: " + ", ".join(f"{k}={v}" for k, v in m.items()) + f"; first prompt {rep.prompt_len} tokens\n")
     head.append(f"profile applied: {rep.profile_name}; trainer's own: {rep.trainer_profile_name}\n")
+    if getattr(rep, "logprobs", ""):
+        head.append(f"engine log-probs: {rep.logprobs}\n")
     for w in rep.warnings:
         head.append(f"warning: {w}\n", style="red bold")
     parts: list = [head]
@@ -180,6 +182,7 @@ def load_mismatch(path: str):
                   prefill_rows=rows("prefill"), model=data.get("model") if isinstance(data.get("model"), dict) else {},
                   prompt_len=data.get("prompt_len", 0), command=str(data.get("command", "")),
                   engine_decode_equals_prefill=data.get("engine_decode_equals_prefill"),
+                  logprobs=data["engine_logprobs"] if isinstance(data.get("engine_logprobs"), str) else "",
                   batch_check=data.get("batch_check") if isinstance(data.get("batch_check"), dict) else None)
 
 

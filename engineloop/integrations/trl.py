@@ -29,9 +29,12 @@ import functools
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
 
+from engineprofiles.extras import require
 from engineprofiles.metrics import rollout_corr
+
+require("insitu", "engineloop.integrations.trl")  # transformers: TrainerCallback
+from transformers import TrainerCallback  # noqa: E402
 
 __all__ = ["MismatchCallback", "log_mismatch", "TRLIntegrationError"]
 

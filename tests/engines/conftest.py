@@ -88,7 +88,7 @@ def engine_mismatch(tmp_path_factory):
 
 # options of an engine run that a run from its capture takes again (what the trainer side reads);
 # the rest (model size, prompts, sampling) come from the capture
-_WITH_CAPTURE = {"--family": 1, "--mode": 1, "--rope-scaling": 1, "--batch-check": 0}
+_WITH_CAPTURE = {"--family": 1, "--mode": 1, "--rope-scaling": 1, "--batch-check": 0, "--model": 1}
 
 
 def _kept_with_capture(args: list[str]) -> list[str]:
