@@ -43,6 +43,45 @@ def install_hint(extra: str, modules: list[str] | None = None) -> str:
                                      f" (the {named} extra)")
 
 
+def _release(text: str) -> tuple[int, ...]:
+    """The leading release numbers of a version string ('5.19.0.dev0' -> (5, 19, 0), '5.17rc1' -> (5, 17))."""
+    import re
+
+    out = []
+    for part in text.split("+")[0].split("."):
+        m = re.match(r"\d+", part)
+        if not m:
+            break
+        out.append(int(m.group()))
+        if m.end() != len(part):
+            break
+    return tuple(out)
+
+
+def too_old(module: str) -> str | None:
+    """The installed version of ``module``'s distribution where it is below the floor :data:`REQUIREMENTS` names
+    (``name>=X.Y``), else None (also when it is not installed: :func:`missing` says that)."""
+    from importlib import metadata
+
+    req = REQUIREMENTS.get(module, "")
+    if ">=" not in req:
+        return None
+    try:
+        have = metadata.version(module)
+    except metadata.PackageNotFoundError:
+        return None
+    return have if _release(have) < _release(req.split(">=", 1)[1]) else None
+
+
+def check_version(module: str, what: str) -> None:
+    """Raise :class:`MissingDependency` where ``module`` is installed in a version below the project's floor."""
+    have = too_old(module)
+    if have is not None:
+        raise MissingDependency(
+            f"{what} needs {REQUIREMENTS[module]}; {sys.executable} has {module} {have}: pip install "
+            f"'{REQUIREMENTS[module]}'", name=module)
+
+
 def missing(extra: str) -> list[str]:
     """The modules of ``extra`` that cannot be imported here."""
     return [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
@@ -57,3 +96,5 @@ def require(extra: str, what: str) -> None:
             f"{sys.executable}: {install_hint(extra, gone)}",
             name=gone[0],
         )
+    for m in EXTRAS[extra]:
+        check_version(m, what)

@@ -91,7 +91,13 @@ from ..errors import (
     ResidualStreamLost,
     UnsupportedModel,
 )
-from .apply import apply_profile
+from engineprofiles.extras import check_version as _check_version
+
+# transformers older than the floor has no AttentionInterface.get_interface, which the patched attention calls
+# (4.57.6 failed mid-patch): refused here, naming the installed version.
+_check_version("transformers", "the emulator's model patching (apply_profile, patch_family)")
+
+from .apply import apply_profile  # noqa: E402
 from .families import FAMILIES, NATIVE, Family
 from .entry import ClassPatch, NoRecordedProfile, apply_recorded_profile, patch_family, recorded_profile
 from .handle import PatchHandle, handle_of, patched_modules

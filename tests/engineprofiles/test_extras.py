@@ -59,3 +59,36 @@ def test_the_torch_floor_is_one_the_extras_triton_runs_with():
 def test_nothing_is_raised_when_the_extra_is_installed():
     extras.require("emulator", "the emulator")  # the test venv has Triton (scripts/requirements-dev.txt)
     assert extras.missing("insitu") == []
+
+
+@pytest.mark.parametrize("installed,refused", [("4.57.6", True), ("5.10.4", True), ("5.16.99", True),
+                                               ("5.17.0", False), ("5.17.0rc1", False), ("5.19.0.dev0", False),
+                                               ("6.0", False)])
+def test_a_transformers_below_the_floor_is_refused_naming_the_installed_version(monkeypatch, installed, refused):
+    """verl 0.9.1 pins transformers < 5.11; the patched attention needs 5.17's AttentionInterface.get_interface."""
+    from importlib import metadata
+
+    from engineprofiles import extras
+    from engineprofiles.errors import MissingDependency
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda d: installed if d == "transformers" else real(d))
+    if refused:
+        with pytest.raises(MissingDependency) as e:
+            extras.require("insitu", "the test")
+        said = str(e.value)
+        assert f"transformers {installed}" in said and "transformers>=5.17" in said
+    else:
+        extras.require("insitu", "the test")
+
+
+def test_model_patching_refuses_an_old_transformers_at_import():
+    import subprocess
+
+    code = ("from importlib import metadata\nreal = metadata.version\n"
+            "metadata.version = lambda d: '5.10.4' if d == 'transformers' else real(d)\n"
+            "import emulator\ntry:\n    emulator.apply_profile\nexcept Exception as e:\n"
+            "    print(type(e).__name__, e)\nelse:\n    print('imported')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("MissingDependency") and "transformers 5.10.4" in r.stdout, r.stdout
