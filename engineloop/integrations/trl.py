@@ -46,8 +46,8 @@ class TRLIntegrationError(RuntimeError):
 
 
 class MismatchCallback(TrainerCallback):
-    """The callback :func:`log_mismatch` adds: it holds the last batch's metrics (``last``) and, at the end
-    of training, gives the trainer its own generation step back."""
+    """The callback :func:`log_mismatch` adds: it holds the last batch's metrics (``last``) and the number of
+    batches measured (``batches``); :meth:`remove` stops the logging. It stays through every ``train()`` call."""
 
     def __init__(self, trainer: Any, is_level: str, is_threshold: float):
         self.trainer, self.is_level, self.is_threshold = trainer, is_level, is_threshold
@@ -92,8 +92,10 @@ class MismatchCallback(TrainerCallback):
             logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attention, keep, batch)
         return logps
 
-    def on_train_end(self, args, state, control, **kwargs):  # noqa: D102 (TrainerCallback's hook)
+    def remove(self) -> None:
+        """Stop logging: the trainer's own generation step back, this callback out of its callbacks."""
         self.trainer.__dict__.pop(_TRAINER_HOOK, None)
+        self.trainer.remove_callback(self)
 
 
 def log_mismatch(trainer: Any, *, is_level: str = "token", is_threshold: float = 2.0) -> MismatchCallback:

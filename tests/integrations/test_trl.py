@@ -69,6 +69,9 @@ class FakeGRPO:
     def add_callback(self, cb):
         self.callbacks.append(cb)
 
+    def remove_callback(self, cb):
+        self.callbacks.remove(cb)
+
 
 def batch(seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -94,8 +97,11 @@ def test_log_mismatch_records_the_batch_metrics_leaving_out_tool_tokens_and_nan_
     want = rollout_corr(out["sampling_per_token_logps"], out["old_per_token_logps"], mask)
     assert cb.last == want and want["mismatch/tokens"] == 10
     assert {k: v for k, v in trainer._metrics["train"].items()} == {k: [v] for k, v in want.items()}
-    cb.on_train_end(None, None, None)  # the trainer's own generation step is given back
-    assert "_generate_and_score_completions" not in trainer.__dict__
+    cb.on_train_end(None, None, None)  # a second train() call still logs
+    assert trainer._generate_and_score_completions([]) is out and cb.batches == 2
+    cb.remove()  # the trainer's own generation step back, the callback gone
+    assert "_generate_and_score_completions" not in trainer.__dict__ and not trainer.callbacks
+    assert trainer._generate_and_score_completions([]) is out and cb.batches == 2
 
 
 @pytest.mark.parametrize("case", ["own sampling", "no engine logprobs", "not grpo", "twice", "bad threshold"])
