@@ -31,6 +31,7 @@ from engineprofiles.regions.attention import KVSplit, split_merge
 from engineprofiles.schema import Profile, with_points
 from engineprofiles.store import get_profile, shipped_names
 
+from . import checkpoint
 from .checkpoint import LOGPROB_SEMANTICS
 
 # The residual RMSNorm region covers both call forms.
@@ -393,9 +394,10 @@ def _check_capture(cap: dict[str, Any], capture_file: str, *, size: dict[str, in
                    rope_scaling: str | None, batch_check: bool, model_path: str | None) -> dict[str, int]:
     """A capture file checked against the run's options (its model: the tiny model's size, family, RoPE
     scaling, or the checkpoint; its batch check); the size it was captured at."""
-    from . import checkpoint
-
     recorded = cap.get("checkpoint")
+    if recorded is not None and not (isinstance(recorded, dict) and isinstance(recorded.get("path"), str)):
+        raise EngineProfilesError(f"{capture_file}: its field 'checkpoint' is not a checkpoint record (path, config "
+                                  "hash, weight files)")
     if recorded is not None and model_path is None:
         raise EngineProfilesError(f"{capture_file} was captured on the checkpoint {recorded.get('path')}: pass "
                                   "--model with that folder")
@@ -435,8 +437,6 @@ def model_and_capture(engine: str, family: str, *, size: dict[str, int] | None, 
     size = _check_model_options(family, size, rope_scaling, mode, model_path)
     require("insitu", what)
     from engineprofiles.models import tiny_model
-
-    from . import checkpoint
 
     if capture_file:
         cap = load_capture(capture_file)

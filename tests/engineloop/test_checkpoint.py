@@ -152,3 +152,12 @@ def test_the_in_situ_fit_refuses_a_checkpoints_capture(checkpoint):
     with pytest.raises(EngineProfilesError, match="the in-situ fit runs on the tool's tiny models"):
         in_situ_pairs("vllm", [family], [str(cap)], seed=0, prompts=2, mode="default", env=None, note=print,
                       rope_scaling=None)
+
+
+@pytest.mark.parametrize("record", ["a string", {"path": 3}, ["x"]])
+def test_a_capture_with_a_malformed_checkpoint_record_is_refused(checkpoint, tmp_path, record):
+    folder, cap = checkpoint
+    bad = tmp_path / "bad.pt"
+    torch.save(dict(torch.load(cap, weights_only=False), checkpoint=record), bad)
+    code, said = run("mismatch", "vllm", "--model", folder, "--capture", bad, "--profile", TRAINER)
+    assert code == 2 and "is not a checkpoint record" in said, said
