@@ -57,6 +57,7 @@ def checkpoint_family(path: str) -> str:
         raise CheckpointError(f"--model {path}: model_type {kind!r} is not a supported family; supported: "
                               f"{', '.join(FAMILIES)}")
     archs = data.get("architectures") or []
+    archs = [archs] if isinstance(archs, str) else archs if isinstance(archs, list) else [archs]
     if archs and not any(str(a).endswith("ForCausalLM") for a in archs):
         raise CheckpointError(f"--model {path}: its architectures are {', '.join(map(str, archs))}, not a causal LM "
                               "(...ForCausalLM): the engine samples from a language-model head")
