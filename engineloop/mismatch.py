@@ -612,11 +612,11 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
         warnings += check_machine(eng, prof, allow_other_machine)
     report = Report(engine=eng, family=family, profile_name=prof_name, trainer_profile_name=tname, warnings=warnings,
                     model=model_fields(model, cap), prompt_len=len(cap["sequences"][0]["prompt"]))
-    variants: list[tuple[str, Profile | None, bool]] = [("as-is", None, False), ("+ engine profile", prof, False)]
+    variants: list[tuple[str, Profile | None]] = [("as-is", None), ("+ engine profile", prof)]
     ablations = dict(ABLATIONS, **({"moe": ("moe",)} if FAMILIES[family].moe else {}),
                      **({"shared_expert": ("shared_expert",)} if FAMILIES[family].shared_expert else {}))
     for label, regs in ablations.items():
-        variants.append((f"+ {label} only", combine(trainer, prof, regs), False))
+        variants.append((f"+ {label} only", combine(trainer, prof, regs)))
     kv_split = engine_kv_split(eng, prof) if exact else None
     if kv_split is not None:
         note(f"exact mode splits attention as the engine did: split-KV on, {kv_split.threads} threads")
@@ -625,54 +625,61 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
             report.warnings.append(
                 f"the engine's attention ran its {isa} ISA; exact mode's split-KV plan (KVSplit) was measured for "
                 "the vec ISA (8 query heads per iteration, keys aligned to 32): its split rows may not be the engine's")
-    if exact:
-        variants.append(("exact", prof, True))
     seqs = cap["sequences"]
     le = torch.tensor([x for s in seqs for x in s["sample_logprobs"]], dtype=torch.float32)
     lpre = torch.tensor([x for s in seqs for x in s["prompt_logprobs"][1:]], dtype=torch.float32)
-    exact_kw = dict(exact=True, kv_split=kv_split, allow_other_machine=allow_other_machine, kernels=kernels)
-    for label, p, ex in variants:
+    for label, p in variants:
         note(f"trainer: {label}")
-        handles: list = []
-        samp, full = zip(*_patched(model, p, lambda: [sequence_logprobs(model, s) for s in seqs], handles,
-                                   **(exact_kw if ex else {})))
-        if ex:
-            report.exact_kernels = handles[0].kernels
-            note("exact mode's attention: " + ("the engine's own kernel" if report.exact_kernels == "engine"
-                                               else "the portable reference"))
+        samp, full = zip(*_patched(model, p, lambda: [sequence_logprobs(model, s) for s in seqs]))
         report.rows.append((label, mismatch(le, torch.cat(samp))))
         report.prefill_rows.append((label, mismatch(lpre, torch.cat(full))))
+    exact_prefill: list[tuple[str, Mismatch]] = []
+    batch_exact: list[dict[str, Any]] | None = None
     if exact:
-        _exact_rows(report, model, prof, eng, seqs, le, exact_kw, note)
-    _diagnosis_rows(report, model, prof, eng, seqs, lpre, exact_kw if exact else None)
+        from emulator.patching import apply_profile
+
+        # one patch for every exact row: its compiled stack's graphs (prefill, decode steps, as sampled) are
+        # traced once and reused (a patch per row traced each again: about a minute of a wide model's run)
+        with apply_profile(model, prof, exact=True, kv_split=kv_split, allow_other_machine=allow_other_machine,
+                           kernels=kernels) as handle:
+            exact_prefill = _exact_rows(report, model, eng, seqs, le, lpre, handle, note)
+            if batch_check:
+                note("trainer: exact, against the engine's batched decode runs")
+                batch_exact = _batch_exact_rows(model, cap)
+    _diagnosis_rows(report, model, prof, seqs, lpre)
+    report.prefill_rows += exact_prefill  # after the diagnosis row, as it reads
     _decode_against_prefill(report, eng, seqs, kv_split)
     if batch_check:
-        report.batch_check = batch_invariance(cap)
-        if exact:  # with split-KV off as_sampled changes nothing: then exact mode against a batch-invariant engine
-            note("trainer: exact, against the engine's batched decode runs")
-            report.batch_check["exact"] = batch_exact_rows(model, prof, kv_split, cap, allow_other_machine, kernels)
-        if not report.batch_check["batch_invariant"]:
-            bad = [r["composition"] for r in report.batch_check["rows"] if r["exact_match"] < 1.0 or r.get("diverged")]
-            split = eng.get("attention", {}).get("split_kv")
-            report.warnings.append(
-                f"the engine's log-probs change with the batch: {', '.join(bad)} differ from the same sequences scored "
-                "alone; a trainer must score each sequence as it was batched (see the batch check)"
-                + ("; vLLM's CPU attention splits decode contexts across threads by the batch's shape "
-                   "(VLLM_CPU_ATTN_SPLIT_KV=1): measured batch-invariant with VLLM_CPU_ATTN_SPLIT_KV=0 (docs/mismatch.md); "
-                   "exact mode scores a batched decode as sampled together (emulator.as_sampled(prompt_lengths, "
-                   "completion_lengths); with --exact, the batch check's exact rows)"
-                   if split else ""))
+        report.batch_check = _batch_check(report, cap, batch_exact)
     return report
 
 
-def _patched(model, prof: Profile | None, fn: Callable[[], Any], handles: list | None = None, **kw: Any) -> Any:
-    """``fn()`` with ``model`` patched by ``prof`` (apply_profile's options ``kw``; None: as it is); the patch's
-    handle is appended to ``handles`` (what it ran, after it is removed)."""
+def _batch_check(report: Report, cap: dict[str, Any], exact_rows: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The batch check's result (:func:`batch_invariance`, with the exact rows where --exact computed them: with
+    split-KV off as_sampled changes nothing, then they are exact mode against a batch-invariant engine); a warning
+    in ``report`` where the engine's log-probs change with the batch."""
+    bc = batch_invariance(cap)
+    if exact_rows is not None:
+        bc["exact"] = exact_rows
+    if not bc["batch_invariant"]:
+        bad = [r["composition"] for r in bc["rows"] if r["exact_match"] < 1.0 or r.get("diverged")]
+        split = cap["engine"].get("attention", {}).get("split_kv")
+        report.warnings.append(
+            f"the engine's log-probs change with the batch: {', '.join(bad)} differ from the same sequences scored "
+            "alone; a trainer must score each sequence as it was batched (see the batch check)"
+            + ("; vLLM's CPU attention splits decode contexts across threads by the batch's shape "
+               "(VLLM_CPU_ATTN_SPLIT_KV=1): measured batch-invariant with VLLM_CPU_ATTN_SPLIT_KV=0 (docs/mismatch.md); "
+               "exact mode scores a batched decode as sampled together (emulator.as_sampled(prompt_lengths, "
+               "completion_lengths); with --exact, the batch check's exact rows)"
+               if split else ""))
+    return bc
+
+
+def _patched(model, prof: Profile | None, fn: Callable[[], Any]) -> Any:
+    """``fn()`` with ``model`` patched by ``prof`` (None: as it is)."""
     from emulator.patching import apply_profile
 
-    handle = apply_profile(model, prof, **kw) if prof is not None else None
-    if handle is not None and handles is not None:
-        handles.append(handle)
+    handle = apply_profile(model, prof) if prof is not None else None
     try:
         return fn()
     finally:
@@ -680,41 +687,48 @@ def _patched(model, prof: Profile | None, fn: Callable[[], Any], handles: list |
             handle.remove()
 
 
-def _exact_rows(report: Report, model, prof: Profile, eng: dict[str, Any], seqs: list[dict[str, Any]],
-                le: torch.Tensor, exact_kw: dict[str, Any], note: Callable[[str], None]) -> None:
-    """The sampled tokens re-scored as the engine produced them (decode steps), not in one prefill; with
-    split-KV, each sequence in one forward as sampled. An engine whose sampler takes its log-probs by
-    another formula (SGLang: log(softmax(x))) says so in its capture: that row too."""
+def _exact_rows(report: Report, model, eng: dict[str, Any], seqs: list[dict[str, Any]], le: torch.Tensor,
+                lpre: torch.Tensor, handle, note: Callable[[str], None]) -> list[tuple[str, Mismatch]]:
+    """The exact rows, ``model`` patched in exact mode (``handle``): each sequence re-scored in one forward
+    ('exact'); the sampled tokens re-scored as the engine produced them (decode steps); with split-KV, each
+    sequence in one forward as sampled. An engine whose sampler takes its log-probs by another formula (SGLang:
+    log(softmax(x))) says so in its capture: that row too. Returns the prefill rows that follow the diagnosis row
+    (the exact logits through the engine's own prompt log-prob formula, where it records one)."""
+    note("trainer: exact")
+    samp, full = zip(*[sequence_logprobs(model, s) for s in seqs])
+    report.exact_kernels = handle.kernels
+    note("exact mode's attention: " + ("the engine's own kernel" if report.exact_kernels == "engine"
+                                       else "the portable reference"))
+    report.rows.append(("exact", mismatch(le, torch.cat(samp))))
+    report.prefill_rows.append(("exact", mismatch(lpre, torch.cat(full))))
     sampler = eng.get("decode_logprob_formula")
     formulas = ("log_softmax",) + ((sampler,) if sampler in LOGPROB_FORMULAS and sampler != "log_softmax" else ())
     note("trainer: exact, decoded")
-    per_seq = _patched(model, prof, lambda: [decoded_logprobs(model, s, formulas) for s in seqs], **exact_kw)
+    per_seq = [decoded_logprobs(model, s, formulas) for s in seqs]
     report.rows.append(("exact, decoded", mismatch(le, torch.cat([d[0] for d in per_seq]))))
-    if exact_kw["kv_split"] is not None:
+    if handle.kv_split is not None:
         # one forward per sequence, as a trainer scores it, with the completion's rows split as the engine's
         # decode steps split them (emulator.as_sampled)
         from emulator import as_sampled
 
-        def as_sampled_rows() -> list[torch.Tensor]:
-            rows = []
-            for s in seqs:
-                with as_sampled(len(s["prompt"])):
-                    rows.append(sequence_logprobs(model, s)[0])
-            return rows
-
         note("trainer: exact, one forward as sampled")
-        samp = _patched(model, prof, as_sampled_rows, **exact_kw)
-        report.rows.append(("exact, one forward as sampled", mismatch(le, torch.cat(samp))))
+        rows = []
+        for s in seqs:
+            with as_sampled(len(s["prompt"])):
+                rows.append(sequence_logprobs(model, s)[0])
+        report.rows.append(("exact, one forward as sampled", mismatch(le, torch.cat(rows))))
     if len(formulas) > 1:
         report.rows.append(("exact, decoded, engine's log-prob formula", mismatch(le, torch.cat([d[1] for d in per_seq]))))
+    formula = eng.get("logprob_formula")
+    if formula not in LOGPROB_FORMULAS:
+        return []
+    full = torch.cat([sequence_logprobs(model, s, formula)[1] for s in seqs])
+    return [("exact, engine's log-prob formula", mismatch(lpre, full))]
 
 
-def _diagnosis_rows(report: Report, model, prof: Profile, eng: dict[str, Any], seqs: list[dict[str, Any]],
-                    lpre: torch.Tensor, exact_kw: dict[str, Any] | None) -> None:
+def _diagnosis_rows(report: Report, model, prof: Profile, seqs: list[dict[str, Any]], lpre: torch.Tensor) -> None:
     """With the profile and the engine's own attention outputs (teacher forced), what is left is everything
-    outside attention: if that row is exact, attention explains the rest. An engine whose prompt log-probs
-    are not log_softmax (SGLang: (x - max) - logsumexp(x - max)) says so in its capture: with exact mode
-    (``exact_kw``), the exact trainer's logits through the engine's own formula show what is left."""
+    outside attention: if that row is exact, attention explains the rest."""
     if all(lay is not None for s in seqs for lay in s["layers"]):
         from emulator.functional import use_backend
 
@@ -728,11 +742,6 @@ def _diagnosis_rows(report: Report, model, prof: Profile, eng: dict[str, Any], s
                 return torch.cat([teacher_forced_logprobs(model, s) for s in seqs])
 
         report.prefill_rows.append(("+ profile + engine attention", mismatch(lpre, _patched(model, prof, forced))))
-    formula = eng.get("logprob_formula")
-    if exact_kw is not None and formula in LOGPROB_FORMULAS:
-        full = _patched(model, prof, lambda: torch.cat([sequence_logprobs(model, s, formula)[1] for s in seqs]),
-                        **exact_kw)
-        report.prefill_rows.append(("exact, engine's log-prob formula", mismatch(lpre, full)))
 
 
 def _decode_against_prefill(report: Report, eng: dict[str, Any], seqs: list[dict[str, Any]],
@@ -763,42 +772,35 @@ def _decode_against_prefill(report: Report, eng: dict[str, Any], seqs: list[dict
         + (f" ({why})" if why else ""))
 
 
-def batch_exact_rows(model, prof: Profile, kv_split: KVSplit | None, cap: dict[str, Any],
-                     allow_other_machine: bool = False, kernels: str = "auto") -> list[dict[str, Any]]:
-    """Exact mode against the engine's decode runs with several requests in one call (the batch check's
-    "decoded together" runs): each sequence scored in one forward with its completion rows split as the
-    engine's decode steps split them, as sampled alone (``as_sampled(prompt length)``, what a trainer that
-    ignores the batch computes) and as sampled together with its batch (``as_sampled(prompt lengths,
-    completion lengths, rows=[i])``: the split plan of each step's whole batch)."""
+def _batch_exact_rows(model, cap: dict[str, Any]) -> list[dict[str, Any]]:
+    """Exact mode (``model`` patched in it) against the engine's decode runs with several requests in one call (the
+    batch check's "decoded together" runs): each sequence scored in one forward with its completion rows split as
+    the engine's decode steps split them, as sampled alone (``as_sampled(prompt length)``, what a trainer that
+    ignores the batch computes) and as sampled together with its batch (``as_sampled(prompt lengths, completion
+    lengths, rows=[i])``: the split plan of each step's whole batch)."""
     from emulator import as_sampled
-    from emulator.patching import apply_profile
 
     prompts = [s["prompt"] for s in cap["sequences"]]
     out = []
-    handle = apply_profile(model, prof, exact=True, kv_split=kv_split, allow_other_machine=allow_other_machine,
-                           kernels=kernels)
-    try:
-        for run in cap["batch_check"]["runs"]:
-            if run["kind"] != "decode" or len(run["calls"]) != 1 or len(run["calls"][0]) < 2:
-                continue
-            order = run["calls"][0]  # the requests in the order the engine was given them
-            ps = [len(prompts[i]) for i in order]
-            cs = [len(run["completions"][i]) for i in order]
-            ref = torch.tensor([x for i in order for x in run["logprobs"][i]], dtype=torch.float32)
-            alone, together = [], []
-            for j, i in enumerate(order):
-                seq = dict(prompt=prompts[i], completion=run["completions"][i])
-                with as_sampled(ps[j]):
-                    alone.append(sequence_logprobs(model, seq)[0])
-                with as_sampled(ps, cs, rows=[j]):
-                    together.append(sequence_logprobs(model, seq)[0])
-            for label, got in (("exact, one forward as sampled alone", alone),
-                               ("exact, one forward as sampled together", together)):
-                m = mismatch(ref, torch.cat(got))
-                out.append(dict(composition=run["name"], trainer=label, completion_lengths=cs, tokens=m.tokens,
-                                exact_match=m.exact_match, abs_dlogp_max=m.abs_dlogp_max, k3_kl=m.k3_kl))
-    finally:
-        handle.remove()
+    for run in cap["batch_check"]["runs"]:
+        if run["kind"] != "decode" or len(run["calls"]) != 1 or len(run["calls"][0]) < 2:
+            continue
+        order = run["calls"][0]  # the requests in the order the engine was given them
+        ps = [len(prompts[i]) for i in order]
+        cs = [len(run["completions"][i]) for i in order]
+        ref = torch.tensor([x for i in order for x in run["logprobs"][i]], dtype=torch.float32)
+        alone, together = [], []
+        for j, i in enumerate(order):
+            seq = dict(prompt=prompts[i], completion=run["completions"][i])
+            with as_sampled(ps[j]):
+                alone.append(sequence_logprobs(model, seq)[0])
+            with as_sampled(ps, cs, rows=[j]):
+                together.append(sequence_logprobs(model, seq)[0])
+        for label, got in (("exact, one forward as sampled alone", alone),
+                           ("exact, one forward as sampled together", together)):
+            m = mismatch(ref, torch.cat(got))
+            out.append(dict(composition=run["name"], trainer=label, completion_lengths=cs, tokens=m.tokens,
+                            exact_match=m.exact_match, abs_dlogp_max=m.abs_dlogp_max, k3_kl=m.k3_kl))
     return out
 
 

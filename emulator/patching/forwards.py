@@ -407,7 +407,7 @@ def compiled_stack(cls_forward: Callable[..., Any]):
         _install_output_capturing_hooks(self, kwargs)
         try:
             # one graph per grad mode, model copy and kind of input: more than Dynamo's default of 8
-            with dynamo_config.patch(cache_size_limit=1024, accumulated_cache_size_limit=4096):
+            with dynamo_config.patch(cache_size_limit=1024, accumulated_cache_size_limit=4096, specialize_float=True):
                 if not _needs_grad(self, args, kwargs) or kwargs.get("past_key_values") is not None:
                     return compiled(self, *args, **kwargs)
                 from ..ops.attention import gradient_pass

@@ -334,6 +334,8 @@ def test_an_engine_name_is_passed_on_as_the_profile_it_chose(no_engine_here):
 
 
 def test_transformers_shipped_profile_and_a_doctored_copy_in_one_probe(tmp_path):
+    """One probe of the installed transformers: the shipped trainer profile agrees with it at every point (exit 0:
+    the claim that the trainer rounds where its profile says, on this machine) and a doctored copy does not."""
     import transformers
 
     name = f"transformers-{transformers.__version__}-cpu-eager-bfloat16"

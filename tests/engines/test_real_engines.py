@@ -5,8 +5,6 @@ A missing environment is a failure, never a skip: the shipped profiles claim wha
 do, and CI checks that claim on every run.
 """
 
-import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -14,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engineprofiles.diff import diff_profiles
-from engineprofiles.schema import Profile, load_profile
+from engineprofiles.schema import load_profile
 from engineprofiles.store import get_profile, shipped_profiles
 
 from ..conftest import assert_as_the_tool_wrote_it
@@ -25,17 +23,6 @@ REAL = [
     ("vllm", "0.32.0", "vllm-0.32.0-cpu-inductor-bfloat16"),
     ("sglang", "0.5.23", "sglang-0.5.23-cpu-eager-bfloat16"),
 ]
-
-
-def _probe(python: Path, engine: str, out: Path, *args: str) -> Profile:
-    env = dict(os.environ, ENGINEPROFILES_REEXEC="1")
-    r = subprocess.run(
-        [str(python), "-m", "engineloop.cli", engine, "-o", str(out), *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-    )
-    sys.stdout.write(r.stdout[-6000:])
-    assert r.returncode == 0, f"probe-engine {engine} failed (rc {r.returncode}):\n{r.stderr[-4000:]}"
-    return load_profile(out)
 
 
 @pytest.mark.engine
@@ -78,13 +65,9 @@ def test_real_engine_probe_agrees_with_the_shipped_profile(engine, version, ship
     assert new.engine.version == version
 
 
-def test_transformers_probe_agrees_with_the_shipped_trainer_profile(tmp_path):
-    import transformers
-
-    shipped = f"transformers-{transformers.__version__}-cpu-eager-bfloat16"
-    new = _probe(Path(sys.executable), "transformers", tmp_path / "t.yaml")
-    d = diff_profiles(get_profile(shipped), new, shipped, "probed now")
-    assert d.exit_code == 0, d.to_markdown()
+# The trainer's own probe against the shipped trainer profile: tests/engineloop/test_check.py
+# (test_transformers_shipped_profile_and_a_doctored_copy_in_one_probe: the shipped profile's exit 0 is that claim, on
+# the same probe; a second probe of transformers here cost about two minutes of CI).
 
 
 def test_every_shipped_profile_is_valid_and_came_from_a_probe_run():
