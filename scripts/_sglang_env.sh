@@ -89,14 +89,14 @@ fi
 PIP=("$PY" -m pip --disable-pip-version-check)
 
 step "$(n 0): ${TORCH_PKGS[*]} (about 5.5 GB in the venv; from local disk)" \
-  "${PIP[@]}" install "${TORCH_PKGS[@]}"
+  "${PIP[@]}" install "${LAZY_BYTECODE[@]}" "${TORCH_PKGS[@]}"
 
-step "$(n 1): sglang==$VERSION --no-deps" "${PIP[@]}" install --no-deps "sglang==$VERSION"
+step "$(n 1): sglang==$VERSION --no-deps" "${PIP[@]}" install "${LAZY_BYTECODE[@]}" --no-deps "sglang==$VERSION"
 
 # The resolver complains that sglang's own (CUDA) requirements are unmet; that is expected,
 # so its exit status is what counts, not its "dependency conflicts" message.
 step "$(n 2): ${#LAYER_PKGS[@]} + ${#ENGINE_PKGS[@]} pinned packages" \
-  "${PIP[@]}" install "${TORCH_PKGS[@]}" "${LAYER_PKGS[@]}" "${ENGINE_PKGS[@]}" ${EXTRA_PKGS[@]+"${EXTRA_PKGS[@]}"}
+  "${PIP[@]}" install "${LAZY_BYTECODE[@]}" "${TORCH_PKGS[@]}" "${LAYER_PKGS[@]}" "${ENGINE_PKGS[@]}" ${EXTRA_PKGS[@]+"${EXTRA_PKGS[@]}"}
 
 step "$(n 3): import check (SGLANG_USE_CPU_ENGINE=1)" env SGLANG_USE_CPU_ENGINE=1 "$PY" -W ignore -c '
 import torch, torchvision, sglang

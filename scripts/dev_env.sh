@@ -20,7 +20,7 @@ if [[ ! -x "$VENV/bin/python" || ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]
     step "step 1/3: creating $VENV with $($BASE_PYTHON --version 2>&1)" "$BASE_PYTHON" -m venv "$VENV"
   fi
   step "step 2/3: installing the test requirements (scripts/requirements-dev.txt)" \
-    "$VENV/bin/python" -m pip --disable-pip-version-check install -r "$REPO/scripts/requirements-dev.txt"
+    "$VENV/bin/python" -m pip --disable-pip-version-check install "${LAZY_BYTECODE[@]}" -r "$REPO/scripts/requirements-dev.txt"
   mkdir -p "$REPO/.engines"  # the lock of editable builds of the checkout (scripts/engine_env.sh takes it too)
   step "step 3/3: installing the project (editable)" \
     locked "$REPO/.engines/.project-install.lock" "$VENV/bin/python" -m pip --disable-pip-version-check install \

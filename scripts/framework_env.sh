@@ -58,7 +58,7 @@ fi
 steps_begin
 step "step 1/4: creating venv $VENV with $($BASE_PYTHON --version 2>&1)" "$BASE_PYTHON" -m venv "$VENV"
 step "step 2/4: installing $FRAMEWORK==$VERSION and scripts/requirements-$FRAMEWORK.txt (about a minute)" \
-  "${PIP[@]}" install -r "$REQS" "$FRAMEWORK==$VERSION"
+  "${PIP[@]}" install "${LAZY_BYTECODE[@]}" -r "$REQS" "$FRAMEWORK==$VERSION"
 # one editable build of the checkout at a time (the environments are made side by side)
 step "step 3/4: installing the project (editable, --no-deps) from $REPO" \
   locked "$REPO/.engines/.project-install.lock" "${PIP[@]}" install --no-deps -e "$REPO"

@@ -10,6 +10,10 @@
 set -euo pipefail
 REPO=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
+# Python writes the bytecode of what the tests import on first import (the environments are then installed without
+# pip's compile of every module: scripts/_steps.sh, LAZY_BYTECODE); a PYTHONDONTWRITEBYTECODE of the caller's would
+# make every process compile its imports from source again.
+unset PYTHONDONTWRITEBYTECODE
 # Real engines are probed by tests/engines: their environments are part of the set-up (every engine
 # version a shipped profile names: the patched trainer is checked against each), and TRL's
 # (tests/integrations runs GRPO steps in it). The five environments are made side by side (each says its

@@ -153,10 +153,10 @@ step "step 3/9: building the wheel (pip wheel --no-deps)" "${PIP[@]}" wheel --no
 WHEEL=$(ls "$DIST"/engineprofiles-*.whl)
 step "step 4/9: checking that the wheel holds profiles/*.yaml as engineprofiles/profiles/" check_wheel_holds_the_profiles
 step "step 5/9: installing the wheel, base dependencies only (torch pinned by $(basename "$CONSTRAINTS"))" \
-  "${PIP[@]}" install -c "$CONSTRAINTS" "$WHEEL"
+  "${PIP[@]}" install "${LAZY_BYTECODE[@]}" -c "$CONSTRAINTS" "$WHEEL"
 step "step 6/9: probe-engine list/show from $OUTSIDE list every shipped profile" check_list
 step "step 7/9: commands that need an extra (or an engine environment) say which" check_missing_extras
 step "step 8/9: installing the wheel with the insitu extra (transformers, triton)" \
-  "${PIP[@]}" install -c "$CONSTRAINTS" "$WHEEL[insitu]"
+  "${PIP[@]}" install "${LAZY_BYTECODE[@]}" -c "$CONSTRAINTS" "$WHEEL[insitu]"
 step "step 9/9: apply_profile(tiny_model('qwen2'), '$PROFILE') and a forward pass" check_apply_profile
 steps_log "the wheel works outside the checkout ($((SECONDS - T0)) s)"
