@@ -7,7 +7,8 @@
 # The venv lives at <repo>/.frameworks/FRAMEWORK-VERSION; a marker file `.ready` is written there only after
 # every step succeeded (a venv without it is rebuilt). Its packages: scripts/requirements-FRAMEWORK.txt and
 # FRAMEWORK==VERSION. Progress goes to stderr; the last line on stdout is the venv's python path.
-# verl is not offered: no verl wheel is on this machine's package index (see docs/frameworks.md).
+# verl is not offered yet: verl 0.9.1 installs from PyPI with the local torch but pins transformers < 5.11, below
+# the floor emulator.patching accepts (5.17; see docs/frameworks.md).
 set -euo pipefail
 
 SCRIPT_DIR=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)
@@ -22,7 +23,7 @@ FRAMEWORK=$1
 VERSION=$2
 case "$FRAMEWORK" in
   trl) ;;
-  verl) die 2 "verl: no verl wheel is on this machine's package index; only trl is offered (see docs/frameworks.md)" ;;
+  verl) die 2 "verl: not offered yet: verl 0.9.1 pins transformers < 5.11, below the 5.17 this project's patching accepts; only trl is offered (see docs/frameworks.md)" ;;
   *) die 2 "unknown framework '$FRAMEWORK' (expected trl)" ;;
 esac
 [[ "$VERSION" =~ ^[0-9A-Za-z.+_-]+$ ]] || die 2 "bad version string '$VERSION'"
