@@ -638,8 +638,8 @@ def run_mismatch(engine: str = "vllm", *, family: str = "qwen2", profile: str | 
     if exact:
         from emulator.patching import apply_profile
 
-        # one patch for every exact row: its compiled stack's graphs (prefill, decode steps, as sampled) are
-        # traced once and reused (a patch per row traced each again: about a minute of a wide model's run)
+        # one patch for every exact row: its compiled stack's graphs (prefill, decode steps, as sampled) belong to
+        # the patch, so they are traced once and reused across the rows (a patch per row traced them again)
         with apply_profile(model, prof, exact=True, kv_split=kv_split, allow_other_machine=allow_other_machine,
                            kernels=kernels) as handle:
             exact_prefill = _exact_rows(report, model, eng, seqs, le, lpre, handle, note)
